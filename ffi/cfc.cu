@@ -1,0 +1,835 @@
+// CfC scan: forward and backward kernels with the whole time loop inside one launch, and their
+// XLA FFI handlers (targets jaxfox_cfc_fwd, jaxfox_cfc_bwd). Math: jaxfox/cfc.py and OPS.md.
+//
+// Work split. One sample is processed by a thread-block cluster of C CTAs (C in {1, 2, 4, 8};
+// C > 1 needs sm_90). CTA c owns a slice of the hidden units (and of the backbone units and of
+// the input features) and keeps only its slice of every weight matrix in shared memory, so the
+// weights of a [I+H -> U -> 4H] cell (350 KB for I=48, H=U=128) are spread over the cluster and
+// read from shared memory at every step instead of from L2. Each step is a chain of matrix-vector
+// products; after each one the CTAs exchange the slices they produced through distributed shared
+// memory (remote stores + cluster barrier). All sums are in a fixed order, so results do not
+// depend on timing, and a sample gives the same bits whatever the batch around it.
+//
+// Backward: one reverse-time launch computes input gradients and the pre-activation gradients of
+// every step (workspace outputs); a tiled kernel then forms each sample's parameter-gradient
+// partial sum_t input_t^T dpre_t (fixed t order) into [B, P], and reduce_axis0 sums those over B.
+#include <cooperative_groups.h>
+
+#include <cstdlib>
+
+#include "common.h"
+
+namespace cg = cooperative_groups;
+
+namespace jaxfox {
+namespace {
+
+constexpr int kNT = 256;         // threads per CTA of the recurrent kernels
+constexpr int kMaxLayers = 4;    // backbone depth handled by the kernels (jaxfox/cfc.py agrees)
+constexpr float kLecunA = 1.7159f;
+constexpr float kLecunB = 0.666f;
+
+enum Mode : int { kDefault = 0, kNoGate = 1, kPure = 2 };
+
+struct CfcDims {
+  int I, H, U, L, mode, nh;  // nh: number of heads (4, or 1 in pure mode)
+  int K0, Kh, NH;            // K0 = I + H; Kh = heads fan-in (U, or K0 when L = 0); NH = nh * H
+  int64_t off_w[kMaxLayers], off_b[kMaxLayers], off_hw, off_hb, off_tau, off_A, P;
+  int C, Hc, Uc, Ic;         // cluster size and slice widths (ceil(H / C) ...)
+  int smem_w;                // 1: weight slices live in shared memory; 0: read from global (L2)
+  int64_t B, T, V;           // samples per instance, steps, vmapped instances
+  __host__ __device__ int Kl(int l) const { return l == 0 ? K0 : U; }
+};
+
+// Shared-memory layout (offsets in floats). Weight slices first, padded to an odd row length so
+// that both row-wise (forward) and column-wise (backward) walks are free of bank conflicts.
+struct Layout {
+  int64_t wb[kMaxLayers], bb[kMaxLayers], wh, bh;  // weight slices (when smem_w)
+  int64_t z, act, red, headv;                      // forward buffers
+  int64_t recv, dph, dpb, dts;                     // backward buffers
+  int64_t total;
+  int ldb, ldh, recv_slot;
+};
+
+__host__ __device__ inline int64_t Align4(int64_t n) { return (n + 3) & ~int64_t(3); }
+
+__host__ __device__ inline Layout MakeLayout(const CfcDims& d, bool bwd) {
+  Layout s{};
+  s.ldb = d.Uc + 1;
+  s.ldh = d.nh * d.Hc + 1;
+  int64_t o = 0;
+  if (d.smem_w) {
+    for (int l = 0; l < d.L; ++l) {
+      s.wb[l] = o; o += Align4(int64_t(d.Kl(l)) * s.ldb);
+      s.bb[l] = o; o += Align4(d.Uc);
+    }
+    s.wh = o; o += Align4(int64_t(d.Kh) * s.ldh);
+    s.bh = o; o += Align4(d.nh * d.Hc);
+  }
+  const int big = d.K0 > d.U ? d.K0 : d.U;
+  const int red = kNT > big ? (kNT > d.nh * d.Hc ? kNT : d.nh * d.Hc) : (big > d.nh * d.Hc ? big : d.nh * d.Hc);
+  s.red = o; o += Align4(red);
+  if (!bwd) {
+    s.z = o; o += Align4(2 * d.K0);
+    s.act = o; o += Align4(int64_t(d.L) * d.U);
+    s.headv = o; o += Align4(d.nh * d.Hc);
+  } else {
+    s.recv_slot = d.Uc > d.Ic + d.Hc ? d.Uc : d.Ic + d.Hc;
+    s.recv = o; o += Align4(int64_t(2) * d.C * s.recv_slot);
+    s.dph = o; o += Align4(d.nh * d.Hc);
+    s.dpb = o; o += Align4(d.Uc);
+    s.dts = o; o += Align4(2 * d.C);
+  }
+  s.total = o;
+  return s;
+}
+
+// ---- cluster helpers (C == 1: a plain block, no cluster API; C > 1 needs sm_90) -------------
+template <int C>
+__device__ __forceinline__ void ClusterSync() {
+  if constexpr (C == 1) {
+    __syncthreads();
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cg::this_cluster().sync();
+#else
+    __trap();
+#endif
+  }
+}
+
+template <int C>
+__device__ __forceinline__ float* Remote(float* p, int rank) {
+  if constexpr (C == 1) {
+    return p;
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return cg::this_cluster().map_shared_rank(p, rank);
+#else
+    return p;
+#endif
+  }
+}
+
+// Element (k, q, jj) of a weight slice: p[k * ld + q * qs + jj].
+struct WView {
+  const float* p;
+  int ld, qs;
+  __device__ __forceinline__ float operator()(int k, int q, int jj) const { return p[int64_t(k) * ld + q * qs + jj]; }
+};
+
+__device__ __forceinline__ float LecunTanh(float x) { return kLecunA * tanhf(kLecunB * x); }
+__device__ __forceinline__ float LecunTanhGradFromOut(float y) {
+  const float t = y / kLecunA;
+  return kLecunA * kLecunB * (1.f - t * t);
+}
+__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float Sign(float x) { return float((x > 0.f) - (x < 0.f)); }
+
+// Number of k-splits for a matrix-vector product with n_out outputs and reduction length K.
+__device__ __forceinline__ int Splits(int n_out, int K) {
+  if (n_out <= 0) return 1;
+  int s = kNT / n_out;
+  int cap = K / 4;
+  if (s > cap) s = cap;
+  return s < 1 ? 1 : s;
+}
+
+// Per-CTA slices and views.
+struct Slice {
+  int c, j0, Hce, u0, Uce, x0, Ice;
+  WView wb[kMaxLayers], bb[kMaxLayers], wh, bh;
+};
+
+__device__ inline Slice MakeSlice(const CfcDims& d, const Layout& lay, float* sm, const float* w, int c) {
+  Slice s;
+  s.c = c;
+  s.j0 = c * d.Hc;
+  s.Hce = max(0, min(d.H, s.j0 + d.Hc) - s.j0);
+  s.u0 = c * d.Uc;
+  s.Uce = d.L > 0 ? max(0, min(d.U, s.u0 + d.Uc) - s.u0) : 0;
+  s.x0 = c * d.Ic;
+  s.Ice = max(0, min(d.I, s.x0 + d.Ic) - s.x0);
+  const int tid = threadIdx.x;
+  if (d.smem_w) {
+    for (int l = 0; l < d.L; ++l) {
+      const int K = d.Kl(l);
+      float* ws = sm + lay.wb[l];
+      for (int idx = tid; idx < K * s.Uce; idx += kNT) {
+        const int k = idx / s.Uce, o = idx - k * s.Uce;
+        ws[k * lay.ldb + o] = w[d.off_w[l] + int64_t(k) * d.U + s.u0 + o];
+      }
+      for (int o = tid; o < s.Uce; o += kNT) sm[lay.bb[l] + o] = w[d.off_b[l] + s.u0 + o];
+      s.wb[l] = WView{ws, lay.ldb, 0};
+      s.bb[l] = WView{sm + lay.bb[l], 0, 0};
+    }
+    const int nhe = d.nh * s.Hce;
+    float* wsh = sm + lay.wh;
+    for (int idx = tid; idx < d.Kh * nhe; idx += kNT) {
+      const int k = idx / nhe, n = idx - k * nhe, q = n / s.Hce, jj = n - q * s.Hce;
+      wsh[k * lay.ldh + q * d.Hc + jj] = w[d.off_hw + int64_t(k) * d.NH + q * d.H + s.j0 + jj];
+    }
+    for (int n = tid; n < nhe; n += kNT) {
+      const int q = n / s.Hce, jj = n - q * s.Hce;
+      sm[lay.bh + q * d.Hc + jj] = w[d.off_hb + q * d.H + s.j0 + jj];
+    }
+    s.wh = WView{wsh, lay.ldh, d.Hc};
+    s.bh = WView{sm + lay.bh, 0, d.Hc};
+  } else {
+    for (int l = 0; l < d.L; ++l) {
+      s.wb[l] = WView{w + d.off_w[l] + s.u0, d.U, 0};
+      s.bb[l] = WView{w + d.off_b[l] + s.u0, 0, 0};
+    }
+    s.wh = WView{w + d.off_hw + s.j0, d.NH, d.H};
+    s.bh = WView{w + d.off_hb + s.j0, 0, d.H};
+  }
+  return s;
+}
+
+// red[s * n_out + o] = sum_{k in split s} in[k] * wv(k, o)   (o = q * Hce + jj for heads)
+template <typename WFn>
+__device__ __forceinline__ void MatVecPartials(int n_out, int K, int S, const float* in, WFn wfn, float* red) {
+  const int kc = (K + S - 1) / S;
+  for (int item = threadIdx.x; item < n_out * S; item += kNT) {
+    const int s = item / n_out, o = item - s * n_out;
+    const int k0 = s * kc, k1 = min(K, k0 + kc);
+    float acc = 0.f;
+    for (int k = k0; k < k1; ++k) acc = fmaf(in[k], wfn(k, o), acc);
+    red[item] = acc;
+  }
+}
+
+__device__ __forceinline__ float SumSplits(const float* red, int n_out, int S, int o) {
+  float v = red[o];
+  for (int s = 1; s < S; ++s) v += red[s * n_out + o];
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward: hs [S, T, H]; residuals acts [S, T, L*U] (post-activation), pre [S, T, NH] (head
+// pre-activations), S = V * B samples.
+template <int C>
+__global__ void __launch_bounds__(kNT)
+cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict__ ts,
+               const float* __restrict__ h0, const float* __restrict__ wflat, float* __restrict__ hs,
+               float* __restrict__ acts, float* __restrict__ pre) {
+  extern __shared__ float sm[];
+  const int c = C == 1 ? 0 : int(blockIdx.x % C);
+  const int64_t sb = blockIdx.x / C;
+  const float* w = wflat + (sb / d.B) * d.P;
+  const Layout lay = MakeLayout(d, false);
+  const Slice s = MakeSlice(d, lay, sm, w, c);
+  const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, L = d.L, K0 = d.K0;
+  float* z = sm + lay.z;  // z[par * K0 + k]: x_t then h_{t-1}
+  float* act = sm + lay.act;
+  float* red = sm + lay.red;
+  float* headv = sm + lay.headv;
+
+  for (int j = tid; j < H; j += kNT) z[I + j] = h0[sb * H + j];
+  float wtau = 0.f, Ap = 0.f;
+  if (d.mode == kPure && tid < s.Hce) {
+    wtau = fabsf(w[d.off_tau + s.j0 + tid]);
+    Ap = w[d.off_A + s.j0 + tid];
+  }
+  const float* xrow = xs + sb * T * I;
+  float xnext = tid < I ? xrow[tid] : 0.f;
+  float tsnext = ts[sb * T];
+  ClusterSync<C>();  // weight slices staged, every CTA of the cluster running
+
+  const int nhe = d.nh * s.Hce;
+  for (int t = 0; t < T; ++t) {
+    float* zt = z + (t & 1) * K0;
+    float* zn = z + ((t + 1) & 1) * K0;
+    const float tst = tsnext;
+    if (tid < I) zt[tid] = xnext;
+    if (t + 1 < T) {
+      if (tid < I) xnext = xrow[(t + 1) * I + tid];
+      tsnext = ts[sb * T + t + 1];
+    }
+    __syncthreads();
+    const int64_t row = sb * T + t;
+    // Backbone layers.
+    for (int l = 0; l < L; ++l) {
+      const float* in = l == 0 ? zt : act + (l - 1) * U;
+      const int K = d.Kl(l);
+      const int S = Splits(s.Uce, K);
+      const WView wv = s.wb[l];
+      MatVecPartials(s.Uce, K, S, in, [&](int k, int o) { return wv(k, 0, o); }, red);
+      __syncthreads();
+      for (int o = tid; o < s.Uce; o += kNT) {
+        const float a = LecunTanh(SumSplits(red, s.Uce, S, o) + s.bb[l](0, 0, o));
+        acts[row * L * U + l * U + s.u0 + o] = a;
+#pragma unroll
+        for (int r = 0; r < C; ++r) Remote<C>(act + l * U, r)[s.u0 + o] = a;
+      }
+      ClusterSync<C>();
+    }
+    // Heads: local column o = q * Hce + jj.
+    {
+      const float* in = L > 0 ? act + (L - 1) * U : zt;
+      const int S = Splits(nhe, d.Kh);
+      const WView wv = s.wh;
+      const int Hce = s.Hce;
+      MatVecPartials(nhe, d.Kh, S, in, [&](int k, int o) { const int q = o / Hce; return wv(k, q, o - q * Hce); }, red);
+      __syncthreads();
+      for (int o = tid; o < nhe; o += kNT) {
+        const int q = o / Hce, jj = o - q * Hce;
+        const float v = SumSplits(red, nhe, S, o) + s.bh(0, q, jj);
+        headv[o] = v;
+        pre[row * d.NH + q * H + s.j0 + jj] = v;
+      }
+      __syncthreads();
+      for (int jj = tid; jj < Hce; jj += kNT) {
+        float h;
+        if (d.mode == kPure) {
+          const float f = headv[jj];
+          const float A = jj == tid ? Ap : w[d.off_A + s.j0 + jj];
+          const float wt = jj == tid ? wtau : fabsf(w[d.off_tau + s.j0 + jj]);
+          h = -A * expf(-tst * (wt + fabsf(f))) * f + A;
+        } else {
+          const float f1 = tanhf(headv[jj]), f2 = tanhf(headv[Hce + jj]);
+          const float g = Sigmoid(headv[2 * Hce + jj] * tst + headv[3 * Hce + jj]);
+          h = d.mode == kNoGate ? f1 + g * f2 : f1 * (1.f - g) + g * f2;
+        }
+        hs[row * H + s.j0 + jj] = h;
+#pragma unroll
+        for (int r = 0; r < C; ++r) Remote<C>(zn, r)[I + s.j0 + jj] = h;
+      }
+      ClusterSync<C>();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward through time. Writes dxs, dts, dh0, the pre-activation gradients dpre_bb [S, T, L*U]
+// and dpre_h [S, T, NH] (for the weight-gradient kernel), and in pure mode the w_tau / A entries
+// of the per-sample partials.
+template <int C>
+__global__ void __launch_bounds__(kNT)
+cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict__ ts,
+               const float* __restrict__ wflat, const float* __restrict__ acts,
+               const float* __restrict__ pre, const float* __restrict__ dhs, float* __restrict__ dxs,
+               float* __restrict__ dts, float* __restrict__ dh0, float* __restrict__ dpre_bb,
+               float* __restrict__ dpre_h, float* __restrict__ partials) {
+  extern __shared__ float sm[];
+  const int c = C == 1 ? 0 : int(blockIdx.x % C);
+  const int64_t sb = blockIdx.x / C;
+  const float* w = wflat + (sb / d.B) * d.P;
+  const Layout lay = MakeLayout(d, true);
+  const Slice s = MakeSlice(d, lay, sm, w, c);
+  const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, L = d.L;
+  const int Hce = s.Hce, nhe = d.nh * Hce, slot = lay.recv_slot;
+  float* recv = sm + lay.recv;  // recv[(par * C + src) * slot + i]
+  float* dph = sm + lay.dph;
+  float* dpb = sm + lay.dpb;
+  float* red = sm + lay.red;
+  float* dtsb = sm + lay.dts;   // dtsb[par * C + src] (read by rank 0)
+
+  // Per-thread state of hidden unit j = j0 + tid (tid < Hce).
+  const bool own_h = tid < Hce;
+  const int j = s.j0 + tid;
+  float dh_carry = 0.f, gA = 0.f, gtau = 0.f, Ap = 0.f, wt = 0.f;
+  if (d.mode == kPure && own_h) {
+    Ap = w[d.off_A + j];
+    wt = w[d.off_tau + j];
+  }
+  ClusterSync<C>();
+
+  int ph = 0;  // exchange phase counter: buffers alternate by its parity
+  // Sends the partial out[k] (k over the z vector of width K0, or over U) to its owner CTA.
+  auto send = [&](int k, float v, bool zspace) {
+    int owner, idx;
+    if (!zspace) {
+      owner = k / d.Uc; idx = k - owner * d.Uc;
+    } else if (k < I) {
+      owner = k / d.Ic; idx = k - owner * d.Ic;
+    } else {
+      const int jj = k - I;
+      owner = jj / d.Hc; idx = d.Ic + jj - owner * d.Hc;
+    }
+    Remote<C>(recv, owner)[((ph & 1) * C + c) * slot + idx] = v;
+  };
+  auto gather = [&](int idx) {  // fixed order over source CTAs
+    const float* r = recv + (ph & 1) * C * slot + idx;
+    float v = r[0];
+#pragma unroll
+    for (int src = 1; src < C; ++src) v += r[src * slot];
+    return v;
+  };
+
+  for (int t = T - 1; t >= 0; --t) {
+    const int64_t row = sb * T + t;
+    const float tst = ts[row];
+    // 1. Head nonlinearity, elementwise over own hidden units.
+    float dts_part = 0.f;
+    if (own_h) {
+      const float dh = dhs[row * H + j] + dh_carry;
+      const float* pr = pre + row * d.NH;
+      if (d.mode == kPure) {
+        const float f = pr[j];
+        const float awt = fabsf(wt);
+        const float e = expf(-tst * (awt + fabsf(f)));
+        const float df = dh * (-Ap * e * (1.f - tst * f * Sign(f)));
+        gA += dh * (1.f - e * f);
+        gtau += dh * (Ap * f * e * tst * Sign(wt));
+        dts_part = dh * Ap * f * e * (awt + fabsf(f));
+        dph[tid] = df;
+        dpre_h[row * d.NH + j] = df;
+      } else {
+        const float f1 = tanhf(pr[j]), f2 = tanhf(pr[H + j]);
+        const float ta = pr[2 * H + j], tb = pr[3 * H + j];
+        const float g = Sigmoid(ta * tst + tb);
+        float df1, df2, dg;
+        if (d.mode == kNoGate) {
+          df1 = dh;
+          df2 = dh * g;
+          dg = dh * f2;
+        } else {
+          df1 = dh * (1.f - g);
+          df2 = dh * g;
+          dg = dh * (f2 - f1);
+        }
+        const float dgp = dg * g * (1.f - g);
+        const float d1 = df1 * (1.f - f1 * f1), d2 = df2 * (1.f - f2 * f2);
+        dph[tid] = d1;
+        dph[Hce + tid] = d2;
+        dph[2 * Hce + tid] = dgp * tst;
+        dph[3 * Hce + tid] = dgp;
+        float* o = dpre_h + row * d.NH;
+        o[j] = d1;
+        o[H + j] = d2;
+        o[2 * H + j] = dgp * tst;
+        o[3 * H + j] = dgp;
+        dts_part = dgp * ta;
+      }
+    }
+    red[tid] = dts_part;  // red is free here: the last reads of it were before a cluster barrier
+    __syncthreads();
+    // dts partial of this CTA: warp 0 sums red[0..Hce) in a fixed shuffle order.
+    if (tid < 32) {
+      float v = 0.f;
+      for (int i = tid; i < Hce; i += 32) v += red[i];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (tid == 0) Remote<C>(dtsb, 0)[(ph & 1) * C + c] = v;
+    }
+    __syncthreads();
+    // 2. Heads transposed: partial dIn[k] = sum_{own cols} Wh[k, col] * dph[col].
+    {
+      const int K = d.Kh;
+      const int S = Splits(K, nhe);
+      const int kc = (nhe + S - 1) / S;
+      const WView wv = s.wh;
+      for (int item = tid; item < K * S; item += kNT) {
+        const int sp = item / K, k = item - sp * K;
+        const int o0 = sp * kc, o1 = min(nhe, o0 + kc);
+        float acc = 0.f;
+        for (int o = o0; o < o1; ++o) {
+          const int q = o / Hce;
+          acc = fmaf(wv(k, q, o - q * Hce), dph[o], acc);
+        }
+        red[item] = acc;
+      }
+      __syncthreads();
+      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, S, k), L == 0);
+      ClusterSync<C>();
+      if (c == 0 && tid == 0) {
+        const float* r = dtsb + (ph & 1) * C;
+        float v = r[0];
+#pragma unroll
+        for (int src = 1; src < C; ++src) v += r[src];
+        dts[row] = v;
+      }
+    }
+    // 3. Backbone layers, last to first.
+    for (int l = L - 1; l >= 0; --l) {
+      for (int o = tid; o < s.Uce; o += kNT) {
+        const float a = acts[row * L * U + l * U + s.u0 + o];
+        const float g = gather(o) * LecunTanhGradFromOut(a);
+        dpb[o] = g;
+        dpre_bb[row * L * U + l * U + s.u0 + o] = g;
+      }
+      ++ph;
+      __syncthreads();
+      const int K = d.Kl(l);
+      const int S = Splits(K, s.Uce);
+      const int kc = (s.Uce + S - 1) / S;
+      const WView wv = s.wb[l];
+      for (int item = tid; item < K * S; item += kNT) {
+        const int sp = item / K, k = item - sp * K;
+        const int o0 = sp * kc, o1 = min(s.Uce, o0 + kc);
+        float acc = 0.f;
+        for (int o = o0; o < o1; ++o) acc = fmaf(wv(k, 0, o), dpb[o], acc);
+        red[item] = acc;
+      }
+      __syncthreads();
+      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, S, k), l == 0);
+      ClusterSync<C>();
+    }
+    // 4. z-space gradients: dx_t for own inputs, dh_{t-1} for own hidden units.
+    for (int i = tid; i < s.Ice; i += kNT) dxs[row * I + s.x0 + i] = gather(i);
+    if (own_h) dh_carry = gather(d.Ic + tid);
+    ++ph;
+  }
+  if (own_h) {
+    dh0[sb * H + j] = dh_carry;
+    if (d.mode == kPure) {
+      partials[sb * d.P + d.off_A + j] = gA;
+      partials[sb * d.P + d.off_tau + j] = gtau;
+    }
+  }
+  ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-sample weight gradient: partials[sb, out_off + k * N + n] = sum_t A(t, k) * D(t, n) for
+// k in [0, K] where row K is the bias (A = 1), t summed in increasing order in chunks of 16.
+struct GradGemm {
+  int K, N;
+  int a_layer;      // -1: A = z_t = [x_t, h_{t-1}]; else acts of that layer
+  int d_ld, d_off;  // D(t, n) = dsrc[row * d_ld + d_off + n]
+  int64_t out_off;
+};
+
+constexpr int kTile = 64, kTT = 16;
+
+__global__ void __launch_bounds__(256)
+cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const float* __restrict__ h0,
+                 const float* __restrict__ hs, const float* __restrict__ acts, const float* __restrict__ dsrc,
+                 float* __restrict__ partials) {
+  __shared__ __align__(16) float As[kTT][kTile];
+  __shared__ __align__(16) float Ds[kTT][kTile];
+  const int64_t sb = blockIdx.y;
+  const int ntn = (g.N + kTile - 1) / kTile;
+  const int k_base = (blockIdx.x / ntn) * kTile, n_base = (blockIdx.x % ntn) * kTile;
+  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+  const int T = int(d.T), I = d.I, H = d.H;
+  float acc[4][4] = {};
+  for (int t0 = 0; t0 < T; t0 += kTT) {
+#pragma unroll
+    for (int r = 0; r < (kTT * kTile) / 256; ++r) {
+      const int e = tid + r * 256, tt = e / kTile, kk = e % kTile;
+      const int t = t0 + tt, k = k_base + kk, n = n_base + kk;
+      float a = 0.f, dv = 0.f;
+      if (t < T) {
+        const int64_t row = sb * T + t;
+        if (k < g.K) {
+          if (g.a_layer < 0) {
+            a = k < I ? xs[row * I + k] : (t > 0 ? hs[(row - 1) * H + (k - I)] : h0[sb * H + (k - I)]);
+          } else {
+            a = acts[row * d.L * d.U + g.a_layer * d.U + k];
+          }
+        } else if (k == g.K) {
+          a = 1.f;
+        }
+        if (n < g.N) dv = dsrc[row * g.d_ld + g.d_off + n];
+      }
+      As[tt][kk] = a;
+      Ds[tt][kk] = dv;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int tt = 0; tt < kTT; ++tt) {
+      const float4 a4 = *reinterpret_cast<const float4*>(&As[tt][ty * 4]);
+      const float4 d4 = *reinterpret_cast<const float4*>(&Ds[tt][tx * 4]);
+      const float av[4] = {a4.x, a4.y, a4.z, a4.w}, dv[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int jn = 0; jn < 4; ++jn) acc[i][jn] = fmaf(av[i], dv[jn], acc[i][jn]);
+    }
+    __syncthreads();
+  }
+  float* out = partials + sb * d.P + g.out_off;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k = k_base + ty * 4 + i;
+    if (k > g.K) continue;
+#pragma unroll
+    for (int jn = 0; jn < 4; ++jn) {
+      const int n = n_base + tx * 4 + jn;
+      if (n < g.N) out[int64_t(k) * g.N + n] = acc[i][jn];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+ffi::Error MakeDims(int64_t I, int64_t H, int64_t U, int64_t L, int64_t mode, int64_t P, CfcDims* d) {
+  if (I < 1 || H < 1 || L < 0 || L > kMaxLayers || (L > 0 && U < 1) || (L == 0 && U != 0) || mode < 0 || mode > 2) {
+    return InvalidArgument("cfc: bad attributes (input_size " + std::to_string(I) + ", hidden_size " +
+                           std::to_string(H) + ", units " + std::to_string(U) + ", layers " + std::to_string(L) +
+                           ", mode " + std::to_string(mode) + ")");
+  }
+  *d = CfcDims{};
+  d->I = int(I); d->H = int(H); d->U = int(U); d->L = int(L); d->mode = int(mode);
+  d->nh = mode == kPure ? 1 : 4;
+  d->K0 = d->I + d->H;
+  d->Kh = L > 0 ? d->U : d->K0;
+  d->NH = d->nh * d->H;
+  int64_t o = 0;
+  for (int l = 0; l < L; ++l) {
+    d->off_w[l] = o; o += int64_t(d->Kl(l)) * d->U;
+    d->off_b[l] = o; o += d->U;
+  }
+  d->off_hw = o; o += int64_t(d->Kh) * d->NH;
+  d->off_hb = o; o += d->NH;
+  if (mode == kPure) {
+    d->off_tau = o; o += d->H;
+    d->off_A = o; o += d->H;
+  }
+  d->P = o;
+  if (P != o) {
+    return InvalidArgument("cfc: flat parameter vector has " + std::to_string(P) + " elements, expected " +
+                           std::to_string(o) + " for these sizes");
+  }
+  return ffi::Error::Success();
+}
+
+void SetSlices(CfcDims* d, int C) {
+  d->C = C;
+  d->Hc = int(CeilDiv(d->H, C));
+  d->Uc = d->L > 0 ? int(CeilDiv(d->U, C)) : 0;
+  d->Ic = int(CeilDiv(d->I, C));
+}
+
+int64_t SmemBytes(const CfcDims& d) {
+  return std::max(MakeLayout(d, false).total, MakeLayout(d, true).total) * int64_t(sizeof(float));
+}
+
+// Cluster size: the smallest C whose weight slices fit in shared memory, then doubled while the
+// batch leaves SMs idle (shorter per-step chains). JAXFOX_CFC_CLUSTER=1|2|4|8 overrides (tuning).
+ffi::Error ChooseCluster(CfcDims* d, int64_t samples) {
+  const DeviceInfo info = GetDeviceInfo();
+  const int cmax = info.cc_major >= 9 ? 8 : 1;
+  static const int forced = [] {
+    const char* e = std::getenv("JAXFOX_CFC_CLUSTER");
+    return e ? std::atoi(e) : 0;
+  }();
+  auto limit_ok = [&](int C) { return C <= cmax && C <= d->H && (d->L == 0 || C <= d->U); };
+  int chosen = 0;
+  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) {
+    if (!limit_ok(forced)) return InvalidArgument("JAXFOX_CFC_CLUSTER is not usable for these sizes/device");
+    chosen = forced;
+    SetSlices(d, chosen);
+    d->smem_w = 1;
+    if (SmemBytes(*d) > info.max_smem_optin) d->smem_w = 0;
+  } else {
+    for (int C = 1; C <= cmax && limit_ok(C); C *= 2) {
+      SetSlices(d, C);
+      d->smem_w = 1;
+      if (SmemBytes(*d) <= info.max_smem_optin) { chosen = C; break; }
+    }
+    if (chosen == 0) {  // weights do not fit anywhere: read them from global memory
+      chosen = 1;
+      while (limit_ok(chosen * 2)) chosen *= 2;
+      SetSlices(d, chosen);
+      d->smem_w = 0;
+    } else {
+      while (limit_ok(chosen * 2) && samples * chosen * 2 <= info.sm_count) {
+        chosen *= 2;
+      }
+      SetSlices(d, chosen);
+      d->smem_w = 1;
+    }
+  }
+  if (SmemBytes(*d) > info.max_smem_optin) {
+    return InvalidArgument("cfc: sizes too large for the kernel's shared-memory buffers (" +
+                           std::to_string(SmemBytes(*d)) + " bytes)");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename Kernel, typename... Args>
+ffi::Error LaunchCluster(Kernel kernel, int C, int64_t samples, int64_t smem, cudaStream_t stream, Args... args) {
+  static int configured_smem = -1;  // per kernel instantiation (function-local static)
+  if (configured_smem < 0) {
+    const DeviceInfo info = GetDeviceInfo();
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, info.max_smem_optin);
+    configured_smem = info.max_smem_optin;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(samples * C));
+  cfg.blockDim = dim3(kNT);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = C > 1 ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("cfc launch: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+template <template <int> class K>
+struct ByCluster;
+
+ffi::Error CheckInputs(const CfcDims& d, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::F32>& ts,
+                       ffi::Buffer<ffi::F32>& h0, ffi::Buffer<ffi::F32>& w, int64_t* V, int64_t* B, int64_t* T) {
+  auto xd = xs.dimensions();
+  if (xd.size() < 3) return InvalidArgument("cfc: xs must be [..., B, T, I], got " + DimsToString(xd));
+  *B = xd[xd.size() - 3];
+  *T = xd[xd.size() - 2];
+  *V = -1;
+  JAXFOX_RETURN_IF_ERROR(CheckShape(xs, "xs", {*B, *T, d.I}, V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(ts, "ts", {*B, *T}, V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(h0, "h0", {*B, d.H}, V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w, "params", {d.P}, V));
+  return ffi::Error::Success();
+}
+
+int64_t WParamCount(ffi::Buffer<ffi::F32>& w) {
+  auto wd = w.dimensions();
+  return wd.size() ? wd[wd.size() - 1] : 0;
+}
+
+ffi::Error CfcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::F32> ts,
+                      ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> w, int64_t input_size, int64_t hidden_size,
+                      int64_t units, int64_t layers, int64_t mode, ffi::ResultBuffer<ffi::F32> hs,
+                      ffi::ResultBuffer<ffi::F32> acts, ffi::ResultBuffer<ffi::F32> pre) {
+  CfcDims d;
+  JAXFOX_RETURN_IF_ERROR(MakeDims(input_size, hidden_size, units, layers, mode, WParamCount(w), &d));
+  int64_t V, B, T;
+  JAXFOX_RETURN_IF_ERROR(CheckInputs(d, xs, ts, h0, w, &V, &B, &T));
+  const int64_t S = V * B;
+  if (int64_t(hs->element_count()) != S * T * d.H || int64_t(acts->element_count()) != S * T * d.L * d.U ||
+      int64_t(pre->element_count()) != S * T * d.NH) {
+    return InvalidArgument("cfc_fwd: output buffer sizes do not match the inputs");
+  }
+  if (S == 0 || T == 0) return ffi::Error::Success();
+  d.B = B; d.T = T; d.V = V;
+  JAXFOX_RETURN_IF_ERROR(ChooseCluster(&d, S));
+  const int64_t smem = MakeLayout(d, false).total * sizeof(float);
+  const float *px = xs.typed_data(), *pt = ts.typed_data(), *ph = h0.typed_data(), *pw = w.typed_data();
+  float *o1 = hs->typed_data(), *o2 = acts->typed_data(), *o3 = pre->typed_data();
+  ffi::Error e = ffi::Error::Success();
+  switch (d.C) {
+    case 1: e = LaunchCluster(cfc_fwd_kernel<1>, 1, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
+    case 2: e = LaunchCluster(cfc_fwd_kernel<2>, 2, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
+    case 4: e = LaunchCluster(cfc_fwd_kernel<4>, 4, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
+    default: e = LaunchCluster(cfc_fwd_kernel<8>, 8, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
+  }
+  JAXFOX_RETURN_IF_ERROR(e);
+  return LastCudaError("cfc_fwd");
+}
+
+ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::F32> ts,
+                      ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> hs,
+                      ffi::Buffer<ffi::F32> acts, ffi::Buffer<ffi::F32> pre, ffi::Buffer<ffi::F32> dhs,
+                      int64_t chunks, int64_t input_size, int64_t hidden_size, int64_t units, int64_t layers,
+                      int64_t mode, ffi::ResultBuffer<ffi::F32> dw, ffi::ResultBuffer<ffi::F32> dxs,
+                      ffi::ResultBuffer<ffi::F32> dts, ffi::ResultBuffer<ffi::F32> dh0,
+                      ffi::ResultBuffer<ffi::F32> dpre_bb, ffi::ResultBuffer<ffi::F32> dpre_h,
+                      ffi::ResultBuffer<ffi::F32> partials, ffi::ResultBuffer<ffi::F32> reduce_ws) {
+  CfcDims d;
+  JAXFOX_RETURN_IF_ERROR(MakeDims(input_size, hidden_size, units, layers, mode, WParamCount(w), &d));
+  int64_t V, B, T;
+  JAXFOX_RETURN_IF_ERROR(CheckInputs(d, xs, ts, h0, w, &V, &B, &T));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(hs, "hs", {B, T, d.H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(acts, "acts", {B, T, int64_t(d.L) * d.U}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(pre, "pre", {B, T, d.NH}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(dhs, "dhs", {B, T, d.H}, &V));
+  const int64_t S = V * B;
+  if (int64_t(dw->element_count()) != V * d.P || int64_t(dxs->element_count()) != S * T * d.I ||
+      int64_t(dts->element_count()) != S * T || int64_t(dh0->element_count()) != S * d.H ||
+      int64_t(dpre_bb->element_count()) != S * T * d.L * d.U ||
+      int64_t(dpre_h->element_count()) != S * T * d.NH || int64_t(partials->element_count()) != S * d.P) {
+    return InvalidArgument("cfc_bwd: output buffer sizes do not match the inputs");
+  }
+  if (chunks < 1 || (chunks > 1 && int64_t(reduce_ws->element_count()) < V * chunks * d.P)) {
+    return InvalidArgument("cfc_bwd: reduce workspace too small for chunks = " + std::to_string(chunks));
+  }
+  if (S == 0) {
+    cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * V * d.P, stream);
+    return LastCudaError("cfc_bwd (empty batch)");
+  }
+  if (T == 0) {
+    cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * V * d.P, stream);
+    cudaMemcpyAsync(dh0->typed_data(), dhs.typed_data(), 0, cudaMemcpyDeviceToDevice, stream);
+    cudaMemsetAsync(dh0->typed_data(), 0, sizeof(float) * S * d.H, stream);
+    return LastCudaError("cfc_bwd (T = 0)");
+  }
+  d.B = B; d.T = T; d.V = V;
+  JAXFOX_RETURN_IF_ERROR(ChooseCluster(&d, S));
+  const int64_t smem = MakeLayout(d, true).total * sizeof(float);
+  const float *px = xs.typed_data(), *pt = ts.typed_data(), *pw = w.typed_data(), *pa = acts.typed_data(),
+              *pp = pre.typed_data(), *pd = dhs.typed_data();
+  float *gx = dxs->typed_data(), *gt = dts->typed_data(), *gh = dh0->typed_data(), *gbb = dpre_bb->typed_data(),
+        *gph = dpre_h->typed_data(), *part = partials->typed_data();
+  ffi::Error e = ffi::Error::Success();
+  switch (d.C) {
+    case 1: e = LaunchCluster(cfc_bwd_kernel<1>, 1, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
+    case 2: e = LaunchCluster(cfc_bwd_kernel<2>, 2, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
+    case 4: e = LaunchCluster(cfc_bwd_kernel<4>, 4, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
+    default: e = LaunchCluster(cfc_bwd_kernel<8>, 8, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
+  }
+  JAXFOX_RETURN_IF_ERROR(e);
+  JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd recurrence"));
+  // Weight-gradient partials, one launch per matrix (its bias is the extra row K).
+  auto gemm = [&](GradGemm g, const float* dsrc) {
+    const int tiles = int(CeilDiv(g.K + 1, kTile) * CeilDiv(g.N, kTile));
+    dim3 grid(tiles, static_cast<unsigned>(S));
+    cfc_wgrad_kernel<<<grid, 256, 0, stream>>>(d, g, px, h0.typed_data(), hs.typed_data(), pa, dsrc, part);
+  };
+  if (S > 65535) return InvalidArgument("cfc_bwd: more than 65535 samples in one call");
+  for (int l = 0; l < d.L; ++l) {
+    gemm(GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l]}, gbb);
+  }
+  gemm(GradGemm{d.Kh, d.NH, d.L - 1, d.NH, 0, d.off_hw}, gph);
+  JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd weight gradients"));
+  return LaunchReduceAxis0(stream, part, V, B, d.P, chunks, reduce_ws->typed_data(), dw->typed_data());
+}
+
+}  // namespace
+}  // namespace jaxfox
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_cfc_fwd, jaxfox::CfcFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ts
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // h0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // flat params
+                                  .Attr<int64_t>("input_size")
+                                  .Attr<int64_t>("hidden_size")
+                                  .Attr<int64_t>("units")
+                                  .Attr<int64_t>("layers")
+                                  .Attr<int64_t>("mode")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // hs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // acts
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // pre
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_cfc_bwd, jaxfox::CfcBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ts
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // h0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // flat params
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // hs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // acts
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pre
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dhs
+                                  .Attr<int64_t>("chunks")
+                                  .Attr<int64_t>("input_size")
+                                  .Attr<int64_t>("hidden_size")
+                                  .Attr<int64_t>("units")
+                                  .Attr<int64_t>("layers")
+                                  .Attr<int64_t>("mode")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dw
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dxs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dts
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dh0
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dpre_bb (workspace)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dpre_h (workspace)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // partials (workspace)
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // reduce_axis0 workspace
+                              {ffi::Traits::kCmdBufferCompatible});

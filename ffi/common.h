@@ -1,0 +1,95 @@
+// Shared helpers for jaxfox's XLA FFI handlers: includes, CUDA-error -> ffi::Error,
+// shape checks, device properties, and the deterministic reduction used by every backward pass.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxfox {
+
+namespace ffi = xla::ffi;
+
+// Every handler ends with this: a failed launch becomes an XLA error, never a crash.
+inline ffi::Error LastCudaError(const char* where) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(where) + ": " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error InvalidArgument(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+#define JAXFOX_RETURN_IF_ERROR(expr)   \
+  do {                                 \
+    ffi::Error _err = (expr);          \
+    if (_err.failure()) return _err;   \
+  } while (0)
+
+// Product of dims[begin:end).
+template <typename Dims>
+inline int64_t DimProduct(const Dims& dims, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= dims[i];
+  return p;
+}
+
+template <typename Dims>
+inline std::string DimsToString(const Dims& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Checks that `buf` has rank leading+trailing.size() and the given trailing dims (-1: any),
+// and that its leading (vmap) dims multiply to `lead` (pass -1 to accept and return them).
+template <typename Buffer>
+inline ffi::Error CheckShape(const Buffer& buf, const char* name, std::initializer_list<int64_t> trailing,
+                             int64_t* lead) {
+  auto dims = buf.dimensions();
+  if (dims.size() < trailing.size()) {
+    return InvalidArgument(std::string(name) + ": expected rank >= " + std::to_string(trailing.size()) +
+                           ", got shape " + DimsToString(dims));
+  }
+  size_t nl = dims.size() - trailing.size();
+  size_t i = nl;
+  for (int64_t want : trailing) {
+    if (want >= 0 && dims[i] != want) {
+      return InvalidArgument(std::string(name) + ": dimension " + std::to_string(i) + " is " +
+                             std::to_string(dims[i]) + ", expected " + std::to_string(want) + " (shape " +
+                             DimsToString(dims) + ")");
+    }
+    ++i;
+  }
+  int64_t l = DimProduct(dims, 0, nl);
+  if (*lead < 0) {
+    *lead = l;
+  } else if (l != *lead) {
+    return InvalidArgument(std::string(name) + ": leading (batched) dims " + DimsToString(dims) +
+                           " do not match the other operands");
+  }
+  return ffi::Error::Success();
+}
+
+struct DeviceInfo {
+  int sm_count = 0;
+  int cc_major = 0;
+  int max_smem_optin = 0;  // bytes of shared memory a block may opt into
+};
+
+// Queried once per device (host-side attribute queries only: safe during graph capture).
+DeviceInfo GetDeviceInfo();
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Deterministic sum over axis 1 of x [V, B, P] -> out [V, P] (see reduce.cu for the order).
+// `chunks` splits B into that many contiguous row ranges whose partials go to `workspace`
+// [V, chunks, P] and are then added in chunk order; chunks == 1 needs no workspace.
+ffi::Error LaunchReduceAxis0(cudaStream_t stream, const float* x, int64_t V, int64_t B, int64_t P,
+                             int64_t chunks, float* workspace, float* out);
+
+}  // namespace jaxfox

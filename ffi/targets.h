@@ -1,0 +1,13 @@
+// Every FFI handler symbol the extension exports. One line per target; the name is the
+// XLA custom-call target name used by jax.ffi.ffi_call in jaxfox/<family>.py.
+#pragma once
+#include "xla/ffi/api/c_api.h"
+
+#define JAXFOX_TARGETS(X)   \
+  X(jaxfox_reduce_axis0)    \
+  X(jaxfox_cfc_fwd)         \
+  X(jaxfox_cfc_bwd)
+
+#define JAXFOX_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
+JAXFOX_TARGETS(JAXFOX_DECLARE)
+#undef JAXFOX_DECLARE

@@ -1,0 +1,16 @@
+"""jaxfox: fused CUDA kernels for JAX (XLA FFI + custom_vjp) for recurrent perception and distributional RL.
+
+Every op runs its CUDA kernels on a GPU and a pure-JAX reference elsewhere (see ``jaxfox._ffi``).
+"""
+
+from jaxfox._ffi import kernels_available, kernels_unavailable_reason, use_reference
+from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
+from jaxfox.reduce import reduce_axis0
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "kernels_available", "kernels_unavailable_reason", "use_reference",
+    "reduce_axis0",
+    "cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh",
+]

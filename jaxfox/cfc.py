@@ -1,0 +1,363 @@
+"""Closed-form continuous-time (CfC) cell and scan.
+
+Hasani et al. 2022, "Closed-form continuous-time neural networks" (Nature Machine Intelligence),
+matching the PyTorch ``CfCCell`` of the ncps package (mlech26l/ncps, ``ncps/torch/cfc_cell.py``):
+
+    z   = concat(x_t, h_{t-1})                                  [B, I + H]
+    b   = lecun_tanh(... lecun_tanh(z W_1 + b_1) ... W_L + b_L)  [B, U]   (b = z when L = 0)
+    ff1, ff2, t_a, t_b = split(b W_heads + b_heads, 4)            [B, H] each
+    default:  h_t = tanh(ff1) * (1 - g) + g * tanh(ff2),  g = sigmoid(t_a * ts + t_b)
+    no_gate:  h_t = tanh(ff1) + g * tanh(ff2)
+    pure:     h_t = -A * exp(-ts * (|w_tau| + |ff1|)) * ff1 + A   (only the ff1 head exists)
+
+with lecun_tanh(x) = 1.7159 tanh(0.666 x). ``ts`` is the elapsed time of each step in bars
+(1.0 for regularly sampled data); ts = 0 is valid. ncps's Keras/TF code and the paper's TF code use
+sigmoid(-t_a * ts + t_b): weights map across by negating the time_a column block (and its bias).
+
+On CUDA the whole time loop runs inside one kernel launch forward and one backward
+(``ffi/cfc.cu``); parameter gradients are per-sample partials summed by :func:`jaxfox.reduce_axis0`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfox._ffi import dispatch
+from jaxfox.reduce import reduce_chunks
+
+__all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
+
+MODES = ("default", "no_gate", "pure")
+_MAX_KERNEL_LAYERS = 4  # backbone depth the CUDA kernel handles; deeper backbones use the reference
+
+
+def lecun_tanh(x):
+    """1.7159 * tanh(0.666 * x), the ncps backbone activation."""
+    return 1.7159 * jnp.tanh(0.666 * x)
+
+
+def _check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _positive_int(name, value, minimum=1):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def cfc_init(key, input_size, hidden_size, *, backbone_units=128, backbone_layers=1, mode="default",
+             dtype=jnp.float32):
+    """Parameters of a CfC cell, initialised as ncps's ``CfCCell.init_weights``.
+
+    Every 2-D tensor is xavier-uniform (bound sqrt(6 / (fan_in + fan_out))); biases are PyTorch
+    ``nn.Linear`` defaults, U(-1/sqrt(fan_in), 1/sqrt(fan_in)). The four heads are separate
+    ``nn.Linear`` layers in ncps, so each column block gets its own xavier bound. In mode "pure",
+    ncps stores ``w_tau`` and ``A`` as [1, H] tensors, so ``init_weights`` makes them xavier-uniform
+    too (bound sqrt(6 / (1 + H))); this is reproduced.
+
+    Args:
+      key: a ``jax.random`` key.
+      input_size: I, features per step.  hidden_size: H.
+      backbone_units: U, width of each backbone layer.  backbone_layers: L >= 0.
+      mode: "default", "no_gate" or "pure".
+      dtype: float32 (the kernels' parameter dtype).
+
+    Returns:
+      dict with ``"backbone"``: list of L dicts ``{"w": [in, U], "b": [U]}`` (in = I + H, then U);
+      ``"heads_w"``: [K, 4H] (K = U, or I + H when L = 0) with column blocks ff1, ff2, time_a,
+      time_b (mode "pure": [K, H], the ff1 head only, as in ncps); ``"heads_b"``: matching bias;
+      mode "pure" also ``"w_tau"`` [H] and ``"A"`` [H].
+
+    Raises:
+      ValueError: a size is not a positive int (backbone_layers may be 0) or mode is unknown.
+    """
+    _check_mode(mode)
+    I = _positive_int("input_size", input_size)
+    H = _positive_int("hidden_size", hidden_size)
+    U = _positive_int("backbone_units", backbone_units)
+    L = _positive_int("backbone_layers", backbone_layers, minimum=0)
+    keys = iter(jax.random.split(key, 2 * L + 10))
+
+    def xavier(shape):
+        bound = math.sqrt(6.0 / (shape[0] + shape[1]))
+        return jax.random.uniform(next(keys), shape, dtype, -bound, bound)
+
+    def bias(fan_in, n):
+        bound = 1.0 / math.sqrt(fan_in)
+        return jax.random.uniform(next(keys), (n,), dtype, -bound, bound)
+
+    backbone = []
+    fan_in = I + H
+    for _ in range(L):
+        backbone.append({"w": xavier((fan_in, U)), "b": bias(fan_in, U)})
+        fan_in = U
+    n_heads = 1 if mode == "pure" else 4
+    params = {
+        "backbone": backbone,
+        "heads_w": jnp.concatenate([xavier((fan_in, H)) for _ in range(n_heads)], axis=1),
+        "heads_b": jnp.concatenate([bias(fan_in, H) for _ in range(n_heads)]),
+    }
+    if mode == "pure":
+        params["w_tau"] = xavier((1, H))[0]
+        params["A"] = xavier((1, H))[0]
+    return params
+
+
+class _Config(NamedTuple):
+    input_size: int
+    hidden_size: int
+    units: int
+    layers: int
+    mode: str
+
+
+def _check_array(name, x, shape, dtype=jnp.float32):
+    """`shape` entries of None match any size. Raises TypeError/ValueError naming `name`."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
+    if len(x.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, x.shape)):
+        want = "[" + ", ".join("?" if w is None else str(w) for w in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+
+
+def _config(params, input_size, mode) -> _Config:
+    _check_mode(mode)
+    if not isinstance(params, dict) or "heads_w" not in params or "heads_b" not in params:
+        raise ValueError("params must be the dict returned by cfc_init (keys 'backbone', 'heads_w', 'heads_b')")
+    backbone = params.get("backbone", [])
+    n_heads = 1 if mode == "pure" else 4
+    hw = params["heads_w"]
+    _check_array("params['heads_w']", hw, (None, None))
+    if hw.shape[1] % n_heads:
+        raise ValueError(f"params['heads_w'] must have {n_heads}*H columns for mode {mode!r}, got {hw.shape}")
+    H = hw.shape[1] // n_heads
+    I = input_size
+    fan_in = I + H
+    U = fan_in
+    for l, layer in enumerate(backbone):
+        w = layer["w"]
+        _check_array(f"params['backbone'][{l}]['w']", w, (fan_in, None))
+        U = w.shape[1]
+        _check_array(f"params['backbone'][{l}]['b']", layer["b"], (U,))
+        fan_in = U
+    if backbone and any(layer["w"].shape[1] != U for layer in backbone):
+        raise ValueError("all backbone layers must have the same width U")
+    _check_array("params['heads_w']", hw, (fan_in, n_heads * H))
+    _check_array("params['heads_b']", params["heads_b"], (n_heads * H,))
+    if mode == "pure":
+        for k in ("w_tau", "A"):
+            if k not in params:
+                raise ValueError(f"mode 'pure' needs params[{k!r}] (create params with cfc_init(mode='pure'))")
+            _check_array(f"params[{k!r}]", params[k], (H,))
+    return _Config(I, H, U if backbone else 0, len(backbone), mode)
+
+
+def _cell_reference(params, h, x, ts, mode):
+    """One step in plain JAX: h [B, H], x [B, I], ts [B] -> [B, H]."""
+    z = jnp.concatenate([x, h], axis=-1)
+    for layer in params["backbone"]:
+        z = lecun_tanh(z @ layer["w"] + layer["b"])
+    pre = z @ params["heads_w"] + params["heads_b"]
+    t = ts[:, None]
+    if mode == "pure":
+        A = params["A"]
+        return -A * jnp.exp(-t * (jnp.abs(params["w_tau"]) + jnp.abs(pre))) * pre + A
+    ff1, ff2, t_a, t_b = jnp.split(pre, 4, axis=-1)
+    ff1, ff2 = jnp.tanh(ff1), jnp.tanh(ff2)
+    g = jax.nn.sigmoid(t_a * t + t_b)
+    if mode == "no_gate":
+        return ff1 + g * ff2
+    return ff1 * (1.0 - g) + g * ff2
+
+
+def _scan_reference(cfg, params, xs, ts, h0):
+    def step(h, inp):
+        x, t = inp
+        h = _cell_reference(params, h, x, t, cfg.mode)
+        return h, h
+
+    _, hs = jax.lax.scan(step, h0, (jnp.swapaxes(xs, 0, 1), jnp.swapaxes(ts, 0, 1)))
+    return jnp.swapaxes(hs, 0, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel path: parameters travel as one flat float32 vector, in this order:
+#   for each backbone layer: w [in, U] (row-major), b [U]; heads_w [K, NH], heads_b [NH];
+#   mode "pure": w_tau [H], A [H].
+_MODE_ID = {"default": 0, "no_gate": 1, "pure": 2}
+
+
+def _flatten(params):
+    leaves = []
+    for layer in params["backbone"]:
+        leaves += [layer["w"], layer["b"]]
+    leaves += [params["heads_w"], params["heads_b"]]
+    if "w_tau" in params:
+        leaves += [params["w_tau"], params["A"]]
+    return jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
+
+
+def _unflatten_like(params, flat):
+    out, offset = {}, 0
+
+    def take(like):
+        nonlocal offset
+        n = like.size
+        piece = flat[offset:offset + n].reshape(like.shape)
+        offset += n
+        return piece
+
+    out["backbone"] = [{"w": take(layer["w"]), "b": take(layer["b"])} for layer in params["backbone"]]
+    out["heads_w"] = take(params["heads_w"])
+    out["heads_b"] = take(params["heads_b"])
+    if "w_tau" in params:
+        out["w_tau"] = take(params["w_tau"])
+        out["A"] = take(params["A"])
+    return out
+
+
+def _attrs(cfg):
+    return dict(input_size=np.int64(cfg.input_size), hidden_size=np.int64(cfg.hidden_size),
+                units=np.int64(cfg.units), layers=np.int64(cfg.layers), mode=np.int64(_MODE_ID[cfg.mode]))
+
+
+def _n_heads(cfg):
+    return 1 if cfg.mode == "pure" else 4
+
+
+def _fwd_call(cfg, wflat, xs, ts, h0):
+    B, T, _ = xs.shape
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((B, T, cfg.hidden_size), f32),
+           jax.ShapeDtypeStruct((B, T, cfg.layers * cfg.units), f32),
+           jax.ShapeDtypeStruct((B, T, _n_heads(cfg) * cfg.hidden_size), f32))
+    return jax.ffi.ffi_call("jaxfox_cfc_fwd", out, vmap_method="broadcast_all")(xs, ts, h0, wflat, **_attrs(cfg))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan_kernel(cfg, wflat, xs, ts, h0):
+    return _fwd_call(cfg, wflat, xs, ts, h0)[0]
+
+
+def _scan_kernel_fwd(cfg, wflat, xs, ts, h0):
+    hs, acts, pre = _fwd_call(cfg, wflat, xs, ts, h0)
+    return hs, (wflat, xs, ts, h0, hs, acts, pre)
+
+
+def _scan_kernel_bwd(cfg, res, dhs):
+    wflat, xs, ts, h0, hs, acts, pre = res
+    B, T, I = xs.shape
+    P = wflat.shape[0]
+    chunks = reduce_chunks(B, P)
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((P,), f32),                                    # dw (reduced)
+           jax.ShapeDtypeStruct((B, T, I), f32),                               # dxs
+           jax.ShapeDtypeStruct((B, T), f32),                                  # dts
+           jax.ShapeDtypeStruct((B, cfg.hidden_size), f32),                    # dh0
+           jax.ShapeDtypeStruct((B, T, cfg.layers * cfg.units), f32),          # workspace: backbone d(pre-act)
+           jax.ShapeDtypeStruct((B, T, _n_heads(cfg) * cfg.hidden_size), f32),  # workspace: heads d(pre-act)
+           jax.ShapeDtypeStruct((B, P), f32),                                  # workspace: per-sample partials
+           jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))      # workspace: reduce_axis0
+    dw, dxs, dts, dh0, *_ = jax.ffi.ffi_call("jaxfox_cfc_bwd", out, vmap_method="broadcast_all")(
+        xs, ts, h0, wflat, hs, acts, pre, dhs, chunks=np.int64(chunks), **_attrs(cfg))
+    return dw, dxs, dts, dh0
+
+
+_scan_kernel.defvjp(_scan_kernel_fwd, _scan_kernel_bwd)
+
+
+def _scan_dispatch(cfg, params, xs, ts, h0):
+    def reference(params, xs, ts, h0):
+        return _scan_reference(cfg, params, xs, ts, h0)
+
+    def kernel(params, xs, ts, h0):
+        return _scan_kernel(cfg, _flatten(params), xs, ts, h0)
+
+    if cfg.layers > _MAX_KERNEL_LAYERS or xs.shape[0] == 0 or xs.shape[1] == 0:
+        return reference(params, xs, ts, h0)
+    return dispatch(kernel, reference, params, xs, ts, h0)
+
+
+def _prepare_ts(ts, B, T):
+    """Broadcasts ts (scalar, [B] or [B, T]) to [B, T] float32; rejects negative concrete values."""
+    if isinstance(ts, (int, float, np.integer, np.floating)) and not isinstance(ts, bool):
+        ts = np.asarray(ts, np.float32)
+    if not hasattr(ts, "shape") or not jnp.issubdtype(ts.dtype, jnp.floating):
+        raise TypeError(f"ts must be a float scalar or float array, got {type(ts).__name__} "
+                        f"{getattr(ts, 'dtype', '')}")
+    if ts.shape not in ((), (B,), (B, T)):
+        raise ValueError(f"ts must be a scalar, [B]={B} or [B, T]=[{B}, {T}], got shape {tuple(ts.shape)}")
+    concrete = not isinstance(ts, jax.core.Tracer)
+    if concrete and bool(np.any(np.asarray(ts) < 0)):
+        raise ValueError("ts (elapsed time per step) must be >= 0; got a negative value")
+    ts = jnp.asarray(ts, jnp.float32)
+    if ts.ndim == 1:
+        ts = ts[:, None]
+    return jnp.broadcast_to(ts, (B, T)), concrete
+
+
+def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
+    """Runs a CfC cell over a sequence: xs [B, T, I] -> hs [B, T, H] (all float32).
+
+    Args:
+      params: from :func:`cfc_init` (same ``mode``).
+      xs: [B, T, I] float32, batch-major (ncps ``batch_first=True``).
+      ts: elapsed time of each step in bars: a scalar, [B] (one per sample) or [B, T] (per step).
+        Must be >= 0 (0 is valid). Under ``jit`` a negative traced value cannot raise; the
+        affected steps' outputs are NaN instead.
+      h0: initial state [B, H] float32, or None for zeros.
+      mode: "default", "no_gate" or "pure" (module docstring).
+
+    Returns:
+      hs [B, T, H] float32, the state after each step.
+
+    Differentiable in params, xs, ts and h0 (``jax.custom_vjp`` over the forward and backward
+    kernels on CUDA; autodiff of a ``lax.scan`` reference elsewhere).
+
+    Raises:
+      TypeError: an argument has the wrong dtype (float32 expected).
+      ValueError: wrong shape or rank (the message names the argument), unknown mode,
+        params that do not match the mode, or a negative concrete ts.
+    """
+    if not hasattr(xs, "shape"):
+        raise TypeError(f"xs must be an array, got {type(xs).__name__}")
+    if len(xs.shape) != 3:
+        raise ValueError(f"xs must have shape [B, T, I], got {tuple(xs.shape)}")
+    B, T, I = xs.shape
+    cfg = _config(params, I, mode)
+    _check_array("xs", xs, (B, T, I))
+    H = cfg.hidden_size
+    if h0 is None:
+        h0 = jnp.zeros((B, H), jnp.float32)
+    _check_array("h0", h0, (B, H))
+    ts, concrete = _prepare_ts(ts, B, T)
+    hs = _scan_dispatch(cfg, params, xs, ts, h0)
+    if not concrete:
+        hs = jnp.where((ts < 0)[..., None], jnp.nan, hs)
+    return hs
+
+
+def cfc_cell(params, h, x, ts=1.0, *, mode="default"):
+    """One CfC step: h [B, H], x [B, I], ts scalar or [B] -> h_next [B, H] (float32).
+
+    Same math, errors and differentiability as :func:`cfc_scan` with T = 1.
+    """
+    if not hasattr(x, "shape") or len(x.shape) != 2:
+        raise ValueError(f"x must have shape [B, I], got {getattr(x, 'shape', type(x).__name__)}")
+    if not hasattr(h, "shape") or len(h.shape) != 2:
+        raise ValueError(f"h must have shape [B, H], got {getattr(h, 'shape', type(h).__name__)}")
+    B = x.shape[0]
+    if hasattr(ts, "shape") and tuple(ts.shape) not in ((), (B,)):
+        raise ValueError(f"ts must be a scalar or [B]={B} for cfc_cell, got shape {tuple(ts.shape)}")
+    _check_array("h", h, (B, None))
+    return cfc_scan(params, x[:, None, :], ts, h, mode=mode)[:, 0, :]

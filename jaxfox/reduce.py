@@ -1,0 +1,75 @@
+"""Deterministic reduction over the batch axis (the last step of every jaxfox backward pass)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfox._ffi import dispatch
+
+__all__ = ["reduce_axis0", "reduce_chunks"]
+
+
+def reduce_chunks(batch: int, size: int) -> int:
+    """How many contiguous row ranges the kernel splits ``batch`` rows into for ``size`` columns.
+
+    A fixed function of the shape, so the summation order (and the result, bitwise) depends on
+    the shape only. Wide inputs use one range; narrow ones more, to fill the GPU.
+    """
+    col_blocks = -(-max(size, 1) // 1024)  # blocks of 256 threads x 4 columns
+    if batch <= 64 or col_blocks >= 256:
+        return 1
+    return int(max(1, min(-(-batch // 64), 512 // col_blocks, 65535)))
+
+
+def _reduce_kernel(x):
+    batch, size = x.shape[-2:]
+    chunks = reduce_chunks(batch, size)
+    out, _ = jax.ffi.ffi_call(
+        "jaxfox_reduce_axis0",
+        (jax.ShapeDtypeStruct((size,), jnp.float32),
+         jax.ShapeDtypeStruct((chunks * size if chunks > 1 else 0,), jnp.float32)),
+        vmap_method="broadcast_all",
+    )(x, chunks=np.int64(chunks))
+    return out
+
+
+def _reduce_reference(x):
+    return jnp.sum(x, axis=0)
+
+
+@jax.custom_vjp
+def _reduce(x):
+    return dispatch(_reduce_kernel, _reduce_reference, x)
+
+
+def _reduce_fwd(x):
+    return _reduce(x), x.shape[0]
+
+
+def _reduce_bwd(batch, g):
+    return (jnp.broadcast_to(g, (batch,) + g.shape),)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def reduce_axis0(x: jax.Array) -> jax.Array:
+    """Sum over the batch axis in a fixed order: x [B, P] float32 -> [P] float32.
+
+    On CUDA the ``jaxfox_reduce_axis0`` kernel sums contiguous row ranges in groups of four,
+    ((r0 + r1) + (r2 + r3)), left to right, and adds range partials in order (``ffi/reduce.cu``);
+    no atomics, so the result is bitwise identical from run to run for a given shape. NaN and Inf
+    propagate. Elsewhere it is ``jnp.sum(x, axis=0)``.
+
+    Raises:
+      TypeError: ``x`` is not float32.
+      ValueError: ``x`` is not 2-D.
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"reduce_axis0: x must be 2-D [B, P], got shape {x.shape}")
+    if x.dtype != jnp.float32:
+        raise TypeError(f"reduce_axis0: x must be float32, got {x.dtype}")
+    return _reduce(x)
