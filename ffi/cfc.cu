@@ -46,7 +46,7 @@ struct CfcDims {
 struct Layout {
   int64_t wb[kMaxLayers], bb[kMaxLayers], wh, bh;  // weight slices (when smem_w)
   int64_t z, act, red, headv;                      // forward buffers
-  int64_t recv, dph, dpb, dts;                     // backward buffers
+  int64_t recv, dph, dpb, dts, actb;               // backward buffers
   int64_t total;
   int ldb, ldh, recv_slot;
 };
@@ -66,8 +66,8 @@ __host__ __device__ inline Layout MakeLayout(const CfcDims& d, bool bwd) {
     s.wh = o; o += Align4(int64_t(d.Kh) * s.ldh);
     s.bh = o; o += Align4(d.nh * d.Hc);
   }
-  const int big = d.K0 > d.U ? d.K0 : d.U;
-  const int red = kNT > big ? (kNT > d.nh * d.Hc ? kNT : d.nh * d.Hc) : (big > d.nh * d.Hc ? big : d.nh * d.Hc);
+  int red = kNT;  // largest partial-sum buffer of any product (see MatVecPartials / MatVecTPartials)
+  for (int v : {d.K0, d.U, d.nh * d.Hc, d.Kh * d.nh}) red = v > red ? v : red;
   s.red = o; o += Align4(red);
   if (!bwd) {
     s.z = o; o += Align4(2 * d.K0);
@@ -79,6 +79,7 @@ __host__ __device__ inline Layout MakeLayout(const CfcDims& d, bool bwd) {
     s.dph = o; o += Align4(d.nh * d.Hc);
     s.dpb = o; o += Align4(d.Uc);
     s.dts = o; o += Align4(2 * d.C);
+    s.actb = o; o += Align4(int64_t(d.L) * d.Uc);
   }
   s.total = o;
   return s;
@@ -115,7 +116,9 @@ __device__ __forceinline__ float* Remote(float* p, int rank) {
 struct WView {
   const float* p;
   int ld, qs;
-  __device__ __forceinline__ float operator()(int k, int q, int jj) const { return p[int64_t(k) * ld + q * qs + jj]; }
+  __device__ __forceinline__ float operator()(int k, int q, int jj) const { return p[k * ld + q * qs + jj]; }
+  __device__ __forceinline__ const float* col(int q, int jj) const { return p + q * qs + jj; }
+  __device__ __forceinline__ const float* row(int k) const { return p + k * ld; }
 };
 
 __device__ __forceinline__ float LecunTanh(float x) { return kLecunA * tanhf(kLecunB * x); }
@@ -186,16 +189,56 @@ __device__ inline Slice MakeSlice(const CfcDims& d, const Layout& lay, float* sm
   return s;
 }
 
-// red[s * n_out + o] = sum_{k in split s} in[k] * wv(k, o)   (o = q * Hce + jj for heads)
-template <typename WFn>
-__device__ __forceinline__ void MatVecPartials(int n_out, int K, int S, const float* in, WFn wfn, float* red) {
+// red[s * n_out + o] = sum_{k in split s} in[k] * col(o)[k * ld]. Four interleaved partial sums
+// break the FMA dependency chain; they are added as (a0 + a1) + (a2 + a3): a fixed order.
+template <typename ColFn>
+__device__ __forceinline__ void MatVecPartials(int n_out, int K, int S, const float* in, ColFn col, int ld,
+                                               float* red) {
   const int kc = (K + S - 1) / S;
   for (int item = threadIdx.x; item < n_out * S; item += kNT) {
     const int s = item / n_out, o = item - s * n_out;
     const int k0 = s * kc, k1 = min(K, k0 + kc);
-    float acc = 0.f;
-    for (int k = k0; k < k1; ++k) acc = fmaf(in[k], wfn(k, o), acc);
-    red[item] = acc;
+    const float* wc = col(o) + k0 * ld;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int k = k0;
+    for (; k + 4 <= k1; k += 4, wc += 4 * ld) {
+      a0 = fmaf(in[k], wc[0], a0);
+      a1 = fmaf(in[k + 1], wc[ld], a1);
+      a2 = fmaf(in[k + 2], wc[2 * ld], a2);
+      a3 = fmaf(in[k + 3], wc[3 * ld], a3);
+    }
+    for (; k < k1; ++k, wc += ld) a0 = fmaf(in[k], wc[0], a0);
+    red[item] = (a0 + a1) + (a2 + a3);
+  }
+}
+
+// Transposed product over G column groups of width Wg (group g at row offset g * qs; the vector
+// v holds group g at v[g * Wg]): red[(g * S2 + s2) * K + k] = sum_{jj in split s2} row(k)[g * qs + jj] * v[g * Wg + jj].
+__device__ __forceinline__ int TransposedSplits(int K, int G, int Wg) {
+  int s2 = kNT / (K * G > 0 ? K * G : 1);
+  if (s2 > Wg / 8) s2 = Wg / 8;
+  return s2 < 1 ? 1 : s2;
+}
+
+__device__ __forceinline__ void MatVecTPartials(int K, int G, int Wg, int S2, const WView& w, const float* v,
+                                                float* red) {
+  const int wc = (Wg + S2 - 1) / S2;
+  for (int item = threadIdx.x; item < K * G * S2; item += kNT) {
+    const int split = item / K, k = item - split * K;
+    const int g = split / S2, s2 = split - g * S2;
+    const int j0 = s2 * wc, j1 = min(Wg, j0 + wc);
+    const float* wr = w.row(k) + g * w.qs;
+    const float* vg = v + g * Wg;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int jj = j0;
+    for (; jj + 4 <= j1; jj += 4) {
+      a0 = fmaf(wr[jj], vg[jj], a0);
+      a1 = fmaf(wr[jj + 1], vg[jj + 1], a1);
+      a2 = fmaf(wr[jj + 2], vg[jj + 2], a2);
+      a3 = fmaf(wr[jj + 3], vg[jj + 3], a3);
+    }
+    for (; jj < j1; ++jj) a0 = fmaf(wr[jj], vg[jj], a0);
+    red[item] = (a0 + a1) + (a2 + a3);
   }
 }
 
@@ -254,7 +297,7 @@ cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       const int K = d.Kl(l);
       const int S = Splits(s.Uce, K);
       const WView wv = s.wb[l];
-      MatVecPartials(s.Uce, K, S, in, [&](int k, int o) { return wv(k, 0, o); }, red);
+      MatVecPartials(s.Uce, K, S, in, [&](int o) { return wv.col(0, o); }, wv.ld, red);
       __syncthreads();
       for (int o = tid; o < s.Uce; o += kNT) {
         const float a = LecunTanh(SumSplits(red, s.Uce, S, o) + s.bb[l](0, 0, o));
@@ -270,7 +313,7 @@ cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       const int S = Splits(nhe, d.Kh);
       const WView wv = s.wh;
       const int Hce = s.Hce;
-      MatVecPartials(nhe, d.Kh, S, in, [&](int k, int o) { const int q = o / Hce; return wv(k, q, o - q * Hce); }, red);
+      MatVecPartials(nhe, d.Kh, S, in, [&](int o) { const int q = o / Hce; return wv.col(q, o - q * Hce); }, wv.ld, red);
       __syncthreads();
       for (int o = tid; o < nhe; o += kNT) {
         const int q = o / Hce, jj = o - q * Hce;
@@ -318,7 +361,7 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
   const Layout lay = MakeLayout(d, true);
   const Slice s = MakeSlice(d, lay, sm, w, c);
   const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, L = d.L;
-  const int Hce = s.Hce, nhe = d.nh * Hce, slot = lay.recv_slot;
+  const int Hce = s.Hce, slot = lay.recv_slot;
   float* recv = sm + lay.recv;  // recv[(par * C + src) * slot + i]
   float* dph = sm + lay.dph;
   float* dpb = sm + lay.dpb;
@@ -357,16 +400,42 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
     return v;
   };
 
+  // Register prefetch of the next (earlier) step's per-thread inputs: the loads are issued one
+  // step ahead, so their latency overlaps the current step's products and barriers.
+  const int nq = d.nh;
+  float n_ts = 0.f, n_dh = 0.f, n_pre[4] = {0.f, 0.f, 0.f, 0.f}, n_act[kMaxLayers] = {0.f, 0.f, 0.f, 0.f};
+  auto prefetch = [&](int tt) {
+    if (tt < 0) return;
+    const int64_t r = sb * T + tt;
+    if (own_h) {
+      n_ts = ts[r];
+      n_dh = dhs[r * H + j];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) if (q < nq) n_pre[q] = pre[r * d.NH + q * H + j];
+    }
+    if (tid < s.Uce) {
+#pragma unroll
+      for (int l = 0; l < kMaxLayers; ++l) if (l < L) n_act[l] = acts[r * L * U + l * U + s.u0 + tid];
+    }
+  };
+  float* actb = sm + lay.actb;  // this step's activations of the owned backbone units, [L][Uc]
+  prefetch(T - 1);
+
   for (int t = T - 1; t >= 0; --t) {
     const int64_t row = sb * T + t;
-    const float tst = ts[row];
+    const float tst = n_ts, dhs_t = n_dh;
+    const float p0 = n_pre[0], p1 = n_pre[1], p2 = n_pre[2], p3 = n_pre[3];
+    if (tid < s.Uce) {
+#pragma unroll
+      for (int l = 0; l < kMaxLayers; ++l) if (l < L) actb[l * d.Uc + tid] = n_act[l];
+    }
+    prefetch(t - 1);
     // 1. Head nonlinearity, elementwise over own hidden units.
     float dts_part = 0.f;
     if (own_h) {
-      const float dh = dhs[row * H + j] + dh_carry;
-      const float* pr = pre + row * d.NH;
+      const float dh = dhs_t + dh_carry;
       if (d.mode == kPure) {
-        const float f = pr[j];
+        const float f = p0;
         const float awt = fabsf(wt);
         const float e = expf(-tst * (awt + fabsf(f)));
         const float df = dh * (-Ap * e * (1.f - tst * f * Sign(f)));
@@ -376,8 +445,8 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
         dph[tid] = df;
         dpre_h[row * d.NH + j] = df;
       } else {
-        const float f1 = tanhf(pr[j]), f2 = tanhf(pr[H + j]);
-        const float ta = pr[2 * H + j], tb = pr[3 * H + j];
+        const float f1 = tanhf(p0), f2 = tanhf(p1);
+        const float ta = p2, tb = p3;
         const float g = Sigmoid(ta * tst + tb);
         float df1, df2, dg;
         if (d.mode == kNoGate) {
@@ -414,24 +483,14 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       if (tid == 0) Remote<C>(dtsb, 0)[(ph & 1) * C + c] = v;
     }
     __syncthreads();
-    // 2. Heads transposed: partial dIn[k] = sum_{own cols} Wh[k, col] * dph[col].
+    // 2. Heads transposed: partial dIn[k] = sum_{own cols} Wh[k, col] * dph[col], one column
+    //    group per head.
     {
       const int K = d.Kh;
-      const int S = Splits(K, nhe);
-      const int kc = (nhe + S - 1) / S;
-      const WView wv = s.wh;
-      for (int item = tid; item < K * S; item += kNT) {
-        const int sp = item / K, k = item - sp * K;
-        const int o0 = sp * kc, o1 = min(nhe, o0 + kc);
-        float acc = 0.f;
-        for (int o = o0; o < o1; ++o) {
-          const int q = o / Hce;
-          acc = fmaf(wv(k, q, o - q * Hce), dph[o], acc);
-        }
-        red[item] = acc;
-      }
+      const int S2 = TransposedSplits(K, nq, Hce);
+      MatVecTPartials(K, nq, Hce, S2, s.wh, dph, red);
       __syncthreads();
-      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, S, k), L == 0);
+      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, nq * S2, k), L == 0);
       ClusterSync<C>();
       if (c == 0 && tid == 0) {
         const float* r = dtsb + (ph & 1) * C;
@@ -444,7 +503,7 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
     // 3. Backbone layers, last to first.
     for (int l = L - 1; l >= 0; --l) {
       for (int o = tid; o < s.Uce; o += kNT) {
-        const float a = acts[row * L * U + l * U + s.u0 + o];
+        const float a = o < kNT ? actb[l * d.Uc + o] : acts[row * L * U + l * U + s.u0 + o];
         const float g = gather(o) * LecunTanhGradFromOut(a);
         dpb[o] = g;
         dpre_bb[row * L * U + l * U + s.u0 + o] = g;
@@ -452,18 +511,10 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       ++ph;
       __syncthreads();
       const int K = d.Kl(l);
-      const int S = Splits(K, s.Uce);
-      const int kc = (s.Uce + S - 1) / S;
-      const WView wv = s.wb[l];
-      for (int item = tid; item < K * S; item += kNT) {
-        const int sp = item / K, k = item - sp * K;
-        const int o0 = sp * kc, o1 = min(s.Uce, o0 + kc);
-        float acc = 0.f;
-        for (int o = o0; o < o1; ++o) acc = fmaf(wv(k, 0, o), dpb[o], acc);
-        red[item] = acc;
-      }
+      const int S2 = TransposedSplits(K, 1, s.Uce);
+      MatVecTPartials(K, 1, s.Uce, S2, s.wb[l], dpb, red);
       __syncthreads();
-      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, S, k), l == 0);
+      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, S2, k), l == 0);
       ClusterSync<C>();
     }
     // 4. z-space gradients: dx_t for own inputs, dh_{t-1} for own hidden units.
@@ -607,7 +658,16 @@ ffi::Error ChooseCluster(CfcDims* d, int64_t samples) {
     const char* e = std::getenv("JAXFOX_CFC_CLUSTER");
     return e ? std::atoi(e) : 0;
   }();
-  auto limit_ok = [&](int C) { return C <= cmax && C <= d->H && (d->L == 0 || C <= d->U); };
+  // Each CTA's hidden units are one per thread in the backward kernel: ceil(H / C) <= kNT.
+  auto limit_ok = [&](int C) {
+    return C <= cmax && C <= d->H && (d->L == 0 || C <= d->U) && CeilDiv(d->H, C) <= kNT;
+  };
+  int cmin = 1;
+  while (CeilDiv(d->H, cmin) > kNT) cmin *= 2;
+  if (cmin > cmax) {
+    return InvalidArgument("cfc: hidden_size " + std::to_string(d->H) + " needs clusters of " + std::to_string(cmin) +
+                           " CTAs, more than this device supports (" + std::to_string(cmax) + ")");
+  }
   int chosen = 0;
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) {
     if (!limit_ok(forced)) return InvalidArgument("JAXFOX_CFC_CLUSTER is not usable for these sizes/device");
@@ -616,13 +676,13 @@ ffi::Error ChooseCluster(CfcDims* d, int64_t samples) {
     d->smem_w = 1;
     if (SmemBytes(*d) > info.max_smem_optin) d->smem_w = 0;
   } else {
-    for (int C = 1; C <= cmax && limit_ok(C); C *= 2) {
+    for (int C = cmin; C <= cmax && limit_ok(C); C *= 2) {
       SetSlices(d, C);
       d->smem_w = 1;
       if (SmemBytes(*d) <= info.max_smem_optin) { chosen = C; break; }
     }
     if (chosen == 0) {  // weights do not fit anywhere: read them from global memory
-      chosen = 1;
+      chosen = cmin;
       while (limit_ok(chosen * 2)) chosen *= 2;
       SetSlices(d, chosen);
       d->smem_w = 0;
@@ -643,12 +703,7 @@ ffi::Error ChooseCluster(CfcDims* d, int64_t samples) {
 
 template <typename Kernel, typename... Args>
 ffi::Error LaunchCluster(Kernel kernel, int C, int64_t samples, int64_t smem, cudaStream_t stream, Args... args) {
-  static int configured_smem = -1;  // per kernel instantiation (function-local static)
-  if (configured_smem < 0) {
-    const DeviceInfo info = GetDeviceInfo();
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, info.max_smem_optin);
-    configured_smem = info.max_smem_optin;
-  }
+  if (smem > 48 * 1024) JAXFOX_RETURN_IF_ERROR(AllowLargeSmem(reinterpret_cast<const void*>(kernel)));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(samples * C));
   cfg.blockDim = dim3(kNT);
@@ -692,6 +747,7 @@ ffi::Error CfcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
                       ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> w, int64_t input_size, int64_t hidden_size,
                       int64_t units, int64_t layers, int64_t mode, ffi::ResultBuffer<ffi::F32> hs,
                       ffi::ResultBuffer<ffi::F32> acts, ffi::ResultBuffer<ffi::F32> pre) {
+  ClearStaleCudaError();
   CfcDims d;
   JAXFOX_RETURN_IF_ERROR(MakeDims(input_size, hidden_size, units, layers, mode, WParamCount(w), &d));
   int64_t V, B, T;
@@ -726,6 +782,7 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
                       ffi::ResultBuffer<ffi::F32> dts, ffi::ResultBuffer<ffi::F32> dh0,
                       ffi::ResultBuffer<ffi::F32> dpre_bb, ffi::ResultBuffer<ffi::F32> dpre_h,
                       ffi::ResultBuffer<ffi::F32> partials, ffi::ResultBuffer<ffi::F32> reduce_ws) {
+  ClearStaleCudaError();
   CfcDims d;
   JAXFOX_RETURN_IF_ERROR(MakeDims(input_size, hidden_size, units, layers, mode, WParamCount(w), &d));
   int64_t V, B, T;
@@ -750,7 +807,6 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   }
   if (T == 0) {
     cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * V * d.P, stream);
-    cudaMemcpyAsync(dh0->typed_data(), dhs.typed_data(), 0, cudaMemcpyDeviceToDevice, stream);
     cudaMemsetAsync(dh0->typed_data(), 0, sizeof(float) * S * d.H, stream);
     return LastCudaError("cfc_bwd (T = 0)");
   }

@@ -81,6 +81,14 @@ struct DeviceInfo {
   int max_smem_optin = 0;  // bytes of shared memory a block may opt into
 };
 
+// Lets `kernel` use the device's opt-in maximum of dynamic shared memory (once per kernel and
+// device; a host-side attribute, not a stream operation).
+ffi::Error AllowLargeSmem(const void* kernel);
+
+// Handlers call this first: a CUDA runtime error left over from earlier work on this thread
+// must not be reported as theirs.
+inline void ClearStaleCudaError() { (void)cudaGetLastError(); }
+
 // Queried once per device (host-side attribute queries only: safe during graph capture).
 DeviceInfo GetDeviceInfo();
 

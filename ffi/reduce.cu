@@ -5,9 +5,29 @@
 // are taken in groups of 4 consecutive rows summed as ((r0 + r1) + (r2 + r3)) (a short tail group
 // left to right), groups accumulated left to right; chunk partials are then added in chunk order.
 // No atomics: every output element is written by exactly one thread.
+#include <mutex>
+#include <set>
+#include <utility>
+
 #include "common.h"
 
 namespace jaxfox {
+
+ffi::Error AllowLargeSmem(const void* kernel) {
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({kernel, dev})) return ffi::Error::Success();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         GetDeviceInfo().max_smem_optin);
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err));
+  }
+  done.insert({kernel, dev});
+  return ffi::Error::Success();
+}
 
 DeviceInfo GetDeviceInfo() {
   static DeviceInfo cache[64];
@@ -120,6 +140,7 @@ ffi::Error LaunchReduceAxis0(cudaStream_t stream, const float* x, int64_t V, int
 // FFI target jaxfox_reduce_axis0: x [..., B, P] f32 -> out [..., P], workspace [V * chunks * P] (or [0]).
 static ffi::Error ReduceAxis0Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, int64_t chunks,
                                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> workspace) {
+  ClearStaleCudaError();
   auto dims = x.dimensions();
   if (dims.size() < 2) return InvalidArgument("reduce_axis0: x must have rank >= 2, got " + DimsToString(dims));
   const int64_t B = dims[dims.size() - 2], P = dims[dims.size() - 1];

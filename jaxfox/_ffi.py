@@ -5,9 +5,11 @@ registered with XLA for the CUDA platform. Ops call :func:`dispatch`, which uses
 ``jax.lax.platform_dependent`` so that one traced function runs the kernels when compiled for a GPU
 and the pure-JAX reference anywhere else.
 
-Kernel use is decided when a function is *traced*: :func:`use_reference` and
-``JAXFOX_DISABLE_KERNELS=1`` affect functions traced while they are in force (a function already
-jitted keeps the path it was traced with; jit it again inside the context).
+Kernel use is decided when a function is *traced*. :func:`use_reference` is a JAX configuration
+state that is part of JAX's trace context and jit cache key (like ``jax.default_matmul_precision``),
+so calling an already-jitted function inside it traces it again with the reference path, and
+traced ``lax.scan``/``fori_loop`` bodies are not reused across the two modes.
+``JAXFOX_DISABLE_KERNELS=1`` (read when a function is traced) forces the reference path for the process.
 """
 
 from __future__ import annotations
@@ -21,7 +23,32 @@ import jax
 
 __all__ = ["kernels_available", "kernels_unavailable_reason", "use_reference", "dispatch"]
 
-_state = threading.local()
+def _make_reference_state():
+    """A thread-local JAX config state included in the jit key and trace context.
+
+    Uses ``jax._src.config.bool_state``, the mechanism behind ``jax.default_matmul_precision``.
+    Should that internal API change, falls back to a plain thread-local flag (then a function
+    jitted outside ``use_reference()`` keeps its kernels inside it: jit it anew there).
+    """
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.bool_state(
+            name="jaxfox_use_reference", default=False,
+            help="Trace jaxfox ops with their pure-JAX reference implementations instead of the CUDA kernels.",
+            include_in_jit_key=True, include_in_trace_context=True)
+    except Exception:  # pragma: no cover - depends on JAX internals
+        return None
+
+
+_reference_state = _make_reference_state()
+_local = threading.local()
+
+
+def _reference_forced() -> bool:
+    if _reference_state is not None:
+        return bool(_reference_state.value)
+    return bool(getattr(_local, "reference", 0))
 
 
 @functools.cache
@@ -57,7 +84,7 @@ def kernels_unavailable_reason() -> str | None:
     """Why the CUDA kernels are not used on this machine right now, or None when they are."""
     if os.environ.get("JAXFOX_DISABLE_KERNELS", "0") not in ("", "0"):
         return "JAXFOX_DISABLE_KERNELS is set"
-    if getattr(_state, "reference", 0):
+    if _reference_forced():
         return "inside jaxfox.use_reference()"
     ok, reason = _load()
     if not ok:
@@ -77,12 +104,20 @@ def kernels_available() -> bool:
 
 @contextlib.contextmanager
 def use_reference():
-    """Context manager: functions traced inside it use the pure-JAX reference path (A/B tests, debugging)."""
-    _state.reference = getattr(_state, "reference", 0) + 1
+    """Context manager: jaxfox ops traced inside it use the pure-JAX reference path (A/B tests, debugging).
+
+    Part of JAX's jit cache key, so ``f = jax.jit(g)`` called inside and outside the context runs
+    the reference and the kernel path respectively.
+    """
+    if _reference_state is not None:
+        with _reference_state(True):
+            yield
+        return
+    _local.reference = getattr(_local, "reference", 0) + 1
     try:
         yield
     finally:
-        _state.reference -= 1
+        _local.reference -= 1
 
 
 def dispatch(kernel_fn, reference_fn, *args):
