@@ -99,6 +99,33 @@ __device__ __forceinline__ void ClusterSync() {
   }
 }
 
+// Split cluster barrier: global stores issued between Arrive and Wait are not covered by the
+// arrive's release, so the barrier does not wait for them to reach memory (they are off the
+// step-to-step critical path). With C == 1 the pair is one __syncthreads().
+template <int C>
+__device__ __forceinline__ void ClusterArrive() {
+  if constexpr (C > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+  }
+}
+
+template <int C>
+__device__ __forceinline__ void ClusterWait() {
+  if constexpr (C == 1) {
+    __syncthreads();
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+  }
+}
+
 template <int C>
 __device__ __forceinline__ float* Remote(float* p, int rank) {
   if constexpr (C == 1) {
@@ -301,11 +328,12 @@ cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       __syncthreads();
       for (int o = tid; o < s.Uce; o += kNT) {
         const float a = LecunTanh(SumSplits(red, s.Uce, S, o) + s.bb[l](0, 0, o));
-        acts[row * L * U + l * U + s.u0 + o] = a;
 #pragma unroll
         for (int r = 0; r < C; ++r) Remote<C>(act + l * U, r)[s.u0 + o] = a;
       }
-      ClusterSync<C>();
+      ClusterArrive<C>();
+      for (int o = tid; o < s.Uce; o += kNT) acts[row * L * U + l * U + s.u0 + o] = act[l * U + s.u0 + o];
+      ClusterWait<C>();
     }
     // Heads: local column o = q * Hce + jj.
     {
@@ -319,7 +347,6 @@ cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
         const int q = o / Hce, jj = o - q * Hce;
         const float v = SumSplits(red, nhe, S, o) + s.bh(0, q, jj);
         headv[o] = v;
-        pre[row * d.NH + q * H + s.j0 + jj] = v;
       }
       __syncthreads();
       for (int jj = tid; jj < Hce; jj += kNT) {
@@ -334,11 +361,16 @@ cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
           const float g = Sigmoid(headv[2 * Hce + jj] * tst + headv[3 * Hce + jj]);
           h = d.mode == kNoGate ? f1 + g * f2 : f1 * (1.f - g) + g * f2;
         }
-        hs[row * H + s.j0 + jj] = h;
 #pragma unroll
         for (int r = 0; r < C; ++r) Remote<C>(zn, r)[I + s.j0 + jj] = h;
       }
-      ClusterSync<C>();
+      ClusterArrive<C>();
+      for (int o = tid; o < nhe; o += kNT) {
+        const int q = o / Hce, jj = o - q * Hce;
+        pre[row * d.NH + q * H + s.j0 + jj] = headv[o];
+      }
+      for (int jj = tid; jj < Hce; jj += kNT) hs[row * H + s.j0 + jj] = zn[I + s.j0 + jj];
+      ClusterWait<C>();
     }
   }
 }
@@ -443,7 +475,6 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
         gtau += dh * (Ap * f * e * tst * Sign(wt));
         dts_part = dh * Ap * f * e * (awt + fabsf(f));
         dph[tid] = df;
-        dpre_h[row * d.NH + j] = df;
       } else {
         const float f1 = tanhf(p0), f2 = tanhf(p1);
         const float ta = p2, tb = p3;
@@ -464,11 +495,6 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
         dph[Hce + tid] = d2;
         dph[2 * Hce + tid] = dgp * tst;
         dph[3 * Hce + tid] = dgp;
-        float* o = dpre_h + row * d.NH;
-        o[j] = d1;
-        o[H + j] = d2;
-        o[2 * H + j] = dgp * tst;
-        o[3 * H + j] = dgp;
         dts_part = dgp * ta;
       }
     }
@@ -491,7 +517,12 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       MatVecTPartials(K, nq, Hce, S2, s.wh, dph, red);
       __syncthreads();
       for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, nq * S2, k), L == 0);
-      ClusterSync<C>();
+      ClusterArrive<C>();
+      if (own_h) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) if (q < nq) dpre_h[row * d.NH + q * H + j] = dph[q * Hce + tid];
+      }
+      ClusterWait<C>();
       if (c == 0 && tid == 0) {
         const float* r = dtsb + (ph & 1) * C;
         float v = r[0];
@@ -506,7 +537,6 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
         const float a = o < kNT ? actb[l * d.Uc + o] : acts[row * L * U + l * U + s.u0 + o];
         const float g = gather(o) * LecunTanhGradFromOut(a);
         dpb[o] = g;
-        dpre_bb[row * L * U + l * U + s.u0 + o] = g;
       }
       ++ph;
       __syncthreads();
@@ -515,7 +545,9 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       MatVecTPartials(K, 1, s.Uce, S2, s.wb[l], dpb, red);
       __syncthreads();
       for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, S2, k), l == 0);
-      ClusterSync<C>();
+      ClusterArrive<C>();
+      for (int o = tid; o < s.Uce; o += kNT) dpre_bb[row * L * U + l * U + s.u0 + o] = dpb[o];
+      ClusterWait<C>();
     }
     // 4. z-space gradients: dx_t for own inputs, dh_{t-1} for own hidden units.
     for (int i = tid; i < s.Ice; i += kNT) dxs[row * I + s.x0 + i] = gather(i);
