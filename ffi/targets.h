@@ -6,7 +6,9 @@
 #define JAXFOX_TARGETS(X)   \
   X(jaxfox_reduce_axis0)    \
   X(jaxfox_cfc_fwd)         \
-  X(jaxfox_cfc_bwd)
+  X(jaxfox_cfc_bwd)         \
+  X(jaxfox_attention_pool_fwd) \
+  X(jaxfox_attention_pool_bwd)
 
 #define JAXFOX_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JAXFOX_TARGETS(JAXFOX_DECLARE)

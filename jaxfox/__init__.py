@@ -4,8 +4,11 @@ Every op runs its CUDA kernels on a GPU and a pure-JAX reference elsewhere (see 
 """
 
 from jaxfox._ffi import kernels_available, kernels_unavailable_reason, use_reference
+from jaxfox.attention import attention_pool, attention_pool_init
 from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
+from jaxfox.grn import grn, grn_init
 from jaxfox.reduce import reduce_axis0
+from jaxfox.vsn import vsn, vsn_init
 
 __version__ = "0.1.0"
 
@@ -13,4 +16,5 @@ __all__ = [
     "kernels_available", "kernels_unavailable_reason", "use_reference",
     "reduce_axis0",
     "cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh",
+    "attention_pool_init", "attention_pool",
 ]

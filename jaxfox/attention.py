@@ -1,0 +1,302 @@
+"""Multi-head attention pooling over time with one learned query (OPS.md "Attention pooling over time").
+
+The pooling stage of the perception model (VSN -> CfC -> attention pooling -> GRN head): one
+learned query attends over the T hidden states of each sample, as in the Set Transformer's pooling
+by multi-head attention (Lee et al. 2019, "Set Transformer", PMA with one seed vector) and PyTorch's
+``nn.MultiheadAttention`` with a learned query of length 1. With h_t the state at step t (a row),
+head j owning the feature columns D_j = [j d, (j + 1) d), d = H / num_heads, and W [in, out]
+(``x @ W``, the convention of every jaxfox op):
+
+    k_t = h_t W_k,  v_t = h_t W_v                                    [H] each
+    s[j, t] = q_{D_j} . k_t[D_j] / sqrt(d)                           scores, per head
+    alpha[j, :] = softmax over t of s[j, :], masked                  float32, max subtracted
+    pooled = (sum_t alpha[j(i), t] v_t[i])_i  W_o + b_o              [H]
+
+Masking follows ``jax.nn.softmax(where=mask)``: masked steps get weight exactly 0. A sample whose
+steps are all masked gets alpha = 0 and pooled = 0 (b_o is applied only to samples with at least
+one valid step), zero gradients, and never affects the other samples.
+
+Biases: PyTorch's attention has biases on the key, value and output projections. Here the key bias
+would add q_j . b_k / sqrt(d) to every score of head j, which the softmax cancels (it has no
+effect and a zero gradient), and the value bias reaches the output only as W_o b_v (the weights sum
+to 1), which b_o already represents; so only b_o is kept.
+
+On CUDA (``ffi/attention_pool.cu``) one thread block per sample runs the whole time loop forward and
+backward without forming K or V: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d), and
+the pooled value is pv = (c_{j(i)} . W_v[:, i])_i with c_j = sum_t alpha[j, t] h_t. Parameter
+gradients are exact sums of per-sample low-rank terms (see the kernel file for the derivation),
+formed in a fixed order without atomics: bitwise reproducible, and a sample's outputs and input
+gradient do not depend on the rest of the batch. The kernels keep their working set in 48 KiB of
+shared memory, staging hs in tiles of up to T steps (all of it for T = 64, H = 128); shapes whose
+minimum working set does not fit (H > 384 with 4 heads, H > 272 with 8) run the reference on CUDA too.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfox._ffi import dispatch
+from jaxfox.reduce import reduce_chunks
+
+__all__ = ["attention_pool_init", "attention_pool"]
+
+_PARAM_KEYS = ("q", "w_k", "w_v", "w_o", "b_o")
+_HS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _positive_int(name, value):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_heads(hidden_size, num_heads):
+    n = _positive_int("num_heads", num_heads)
+    if hidden_size % n:
+        raise ValueError(f"num_heads={n} must divide hidden_size={hidden_size} (d_head = H / num_heads)")
+    return n
+
+
+def attention_pool_init(key, hidden_size, *, num_heads=4, dtype=jnp.float32):
+    """Parameters of :func:`attention_pool`.
+
+    ``w_k``, ``w_v``, ``w_o`` are xavier-uniform, U(-b, b) with b = sqrt(6 / (H + H)) (each its own
+    ``nn.Linear``-sized matrix); the query ``q`` is xavier-uniform as a [1, H] tensor,
+    b = sqrt(6 / (1 + H)) (as the Set Transformer's PMA seed vector); ``b_o`` is 0 (PyTorch's
+    ``MultiheadAttention.out_proj.bias`` initialisation). At this scale the initial attention is
+    close to uniform over the valid steps.
+
+    Args:
+      key: a ``jax.random`` key.
+      hidden_size: H, features per step of the pooled sequence.
+      num_heads: n; must divide H (each head sees d = H / n features).
+      dtype: float32 (the kernels' parameter dtype).
+
+    Returns:
+      dict ``{"q": [H], "w_k": [H, H], "w_v": [H, H], "w_o": [H, H], "b_o": [H]}``, matrices as
+      [in, out] (``x @ W``). The number of heads is not stored: pass the same ``num_heads`` to
+      :func:`attention_pool`.
+
+    Raises:
+      ValueError: hidden_size or num_heads is not a positive int, or num_heads does not divide H.
+    """
+    H = _positive_int("hidden_size", hidden_size)
+    _check_heads(H, num_heads)
+    kq, kk, kv, ko = jax.random.split(key, 4)
+    bound = math.sqrt(6.0 / (2 * H))
+    mat = lambda k: jax.random.uniform(k, (H, H), dtype, -bound, bound)  # noqa: E731
+    qb = math.sqrt(6.0 / (1 + H))
+    return {
+        "q": jax.random.uniform(kq, (H,), dtype, -qb, qb),
+        "w_k": mat(kk),
+        "w_v": mat(kv),
+        "w_o": mat(ko),
+        "b_o": jnp.zeros((H,), dtype),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation.
+def _check_array(name, x, shape, dtypes):
+    """`shape` entries of None match any size. Raises TypeError/ValueError naming `name`."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in dtypes:
+        want = " or ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name} must be {want}, got {x.dtype}")
+    if len(x.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, x.shape)):
+        want = "[" + ", ".join("?" if w is None else str(w) for w in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+
+
+def _check_params(params, H):
+    if not isinstance(params, dict) or any(k not in params for k in _PARAM_KEYS):
+        raise ValueError(f"params must be the dict returned by attention_pool_init (keys {_PARAM_KEYS}), "
+                         f"got {sorted(params) if isinstance(params, dict) else type(params).__name__}")
+    f32 = (jnp.dtype(jnp.float32),)
+    _check_array("params['q']", params["q"], (H,), f32)
+    for k in ("w_k", "w_v", "w_o"):
+        _check_array(f"params[{k!r}]", params[k], (H, H), f32)
+    _check_array("params['b_o']", params["b_o"], (H,), f32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-JAX reference (also the path off CUDA): the equations as written, K and V formed.
+def _reference(num_heads, params, hs, mask):
+    B, T, H = hs.shape
+    n, d = num_heads, H // num_heads
+    x = hs.astype(jnp.float32)
+    k = (x @ params["w_k"]).reshape(B, T, n, d)
+    v = (x @ params["w_v"]).reshape(B, T, n, d)
+    s = jnp.einsum("btjd,jd->bjt", k, params["q"].reshape(n, d)) / jnp.float32(math.sqrt(d))
+    where = None if mask is None else mask[:, None, :]
+    alpha = jax.nn.softmax(s, axis=-1, where=where)                      # [B, n, T] float32
+    pv = jnp.einsum("bjt,btjd->bjd", alpha, v).reshape(B, H)
+    bias = params["b_o"] if mask is None else jnp.where(jnp.any(mask, axis=1)[:, None], params["b_o"], 0.0)
+    return pv @ params["w_o"] + bias, alpha
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel path. Parameters travel as one flat float32 vector [q | w_k | w_v | w_o | b_o]
+# (matrices row-major), P = 3 H^2 + 2 H.
+_THREADS = 256                # threads per block (ffi/attention_pool.cu kThreads)
+_SMEM_FLOATS = 48 * 1024 // 4  # the kernels' shared-memory budget (kSmemLimitBytes)
+_MIN_STAGE_ROWS = 16          # kMinStageRows
+
+
+class _Config(NamedTuple):
+    hidden_size: int
+    num_heads: int
+    tile_t: int  # time steps of hs staged in shared memory at a time
+
+
+def _smem_floats(H, n, TT):
+    """Shared memory of the forward/backward kernels in floats (SmemFloats in the .cu file)."""
+    Hp = H | 1
+    region = max(TT * Hp, min(H, _MIN_STAGE_ROWS) * Hp)
+    return 3 * n * Hp + 3 * H + 2 * n + _THREADS + 2 * n * TT + region
+
+
+def _tile_t(H, n, T):
+    """Largest tile TT <= T that fits the budget (TT = T: hs read once), or 0 when none fits."""
+    if T < 1 or _smem_floats(H, n, 1) > _SMEM_FLOATS:
+        return 0
+    lo, hi = 1, T
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _smem_floats(H, n, mid) <= _SMEM_FLOATS:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _flatten(params):
+    return jnp.concatenate([params[k].reshape(-1) for k in _PARAM_KEYS])
+
+
+def _unflatten(flat, H):
+    sizes = (H, H * H, H * H, H * H, H)
+    shapes = ((H,), (H, H), (H, H), (H, H), (H,))
+    out, offset = {}, 0
+    for k, n, shape in zip(_PARAM_KEYS, sizes, shapes):
+        out[k] = flat[offset:offset + n].reshape(shape)
+        offset += n
+    return out
+
+
+def _attrs(cfg):
+    return dict(hidden_size=np.int64(cfg.hidden_size), num_heads=np.int64(cfg.num_heads),
+                tile_t=np.int64(cfg.tile_t))
+
+
+def _fwd_call(cfg, wflat, hs, mask):
+    B, T, H = hs.shape
+    n = cfg.num_heads
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((B, H), f32),      # pooled
+           jax.ShapeDtypeStruct((B, n, T), f32),   # alpha
+           jax.ShapeDtypeStruct((B, n, H), f32),   # residual c_j = sum_t alpha[j, t] h_t
+           jax.ShapeDtypeStruct((B, H), f32))      # residual pv (pooled before W_o)
+    return jax.ffi.ffi_call("jaxfox_attention_pool_fwd", out, vmap_method="broadcast_all")(
+        wflat, hs, mask, **_attrs(cfg))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pool_kernel(cfg, wflat, hs, mask):
+    pooled, alpha, _, _ = _fwd_call(cfg, wflat, hs, mask)
+    return pooled, alpha
+
+
+def _pool_kernel_fwd(cfg, wflat, hs, mask):
+    pooled, alpha, c, pv = _fwd_call(cfg, wflat, hs, mask)
+    return (pooled, alpha), (wflat, hs, mask, alpha, c, pv)
+
+
+def _pool_kernel_bwd(cfg, res, cts):
+    wflat, hs, mask, alpha, c, pv = res
+    dpooled, dalpha = cts
+    B, T, H = hs.shape
+    n = cfg.num_heads
+    P = wflat.shape[0]
+    chunks = reduce_chunks(B, P)
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((P,), f32),                                  # dw (reduced)
+           jax.ShapeDtypeStruct((B, T, H), hs.dtype),                        # dhs
+           jax.ShapeDtypeStruct((B, (3 + n) * H), f32),                      # workspace: per-sample factors
+           jax.ShapeDtypeStruct((B, n, T), f32),                             # workspace: softmax backward
+           jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))    # workspace: chunk partials
+    dw, dhs, *_ = jax.ffi.ffi_call("jaxfox_attention_pool_bwd", out, vmap_method="broadcast_all")(
+        wflat, hs, mask, alpha, c, pv, dpooled.astype(f32), dalpha.astype(f32),
+        chunks=np.int64(chunks), **_attrs(cfg))
+    return dw, dhs, None
+
+
+_pool_kernel.defvjp(_pool_kernel_fwd, _pool_kernel_bwd)
+
+
+def _dispatch(cfg, params, hs, mask):
+    def reference(params, hs, mask):
+        return _reference(cfg.num_heads, params, hs, mask)
+
+    def kernel(params, hs, mask):
+        if mask is None:
+            mask = jnp.ones(hs.shape[:2], jnp.bool_)
+        return _pool_kernel(cfg, _flatten(params), hs, mask)
+
+    B, T, _ = hs.shape
+    if B == 0 or T == 0 or cfg.tile_t < 1:
+        return reference(params, hs, mask)
+    return dispatch(kernel, reference, params, hs, mask)
+
+
+def attention_pool(params, hs, mask=None, *, num_heads=4):
+    """Pools a sequence with multi-head attention from one learned query: hs [B, T, H] -> [B, H].
+
+    Args:
+      params: from :func:`attention_pool_init` (``q`` [H], ``w_k``/``w_v``/``w_o`` [H, H] as
+        [in, out], ``b_o`` [H]; all float32).
+      hs: [B, T, H] float32 or bfloat16 (B samples, T time steps, H features). bfloat16 inputs are
+        converted to float32 before any arithmetic (projections, softmax and sums are float32).
+      mask: [B, T] bool, True where a step is valid, or None (all valid).
+      num_heads: n, must divide H and match the ``num_heads`` the params were made for (the
+        parameter shapes do not record it).
+
+    Returns:
+      (pooled, alpha): pooled [B, H] float32; alpha [B, n, T] float32, the attention weights of each
+      head (sum to 1 over the valid steps, exactly 0 at masked steps; all 0 for a sample with no
+      valid step, whose pooled is 0 too).
+
+    Differentiable in params and hs (``jax.custom_vjp`` over the forward and backward kernels on
+    CUDA; autodiff of the reference elsewhere); the gradient for hs has hs's dtype.
+    A sample with every step masked gets zero gradients and leaves the other samples unchanged.
+
+    Source: OPS.md "Attention pooling over time"; Set Transformer PMA (Lee et al. 2019, eq. 11)
+    with one seed vector and PyTorch ``nn.MultiheadAttention`` semantics (scaled dot product,
+    heads split the feature dims), masking as ``jax.nn.softmax(where=mask)``.
+
+    Raises:
+      TypeError: hs is not float32/bfloat16, mask is not bool, or a parameter is not float32.
+      ValueError: a shape does not match (the message names the argument, the expected and the
+        actual shape), params is not an attention_pool_init dict, or num_heads does not divide H.
+    """
+    if not hasattr(hs, "shape") or not hasattr(hs, "dtype"):
+        raise TypeError(f"hs must be an array, got {type(hs).__name__}")
+    if len(hs.shape) != 3:
+        raise ValueError(f"hs must have shape [B, T, H], got {tuple(hs.shape)}")
+    B, T, H = hs.shape
+    _check_array("hs", hs, (B, T, H), _HS_DTYPES)
+    if H < 1:
+        raise ValueError(f"hs must have H >= 1 features, got shape {tuple(hs.shape)}")
+    n = _check_heads(H, num_heads)
+    _check_params(params, H)
+    if mask is not None:
+        _check_array("mask", mask, (B, T), (jnp.dtype(jnp.bool_),))
+    cfg = _Config(H, n, _tile_t(H, n, T))
+    return _dispatch(cfg, params, hs, mask)

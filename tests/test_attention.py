@@ -1,0 +1,646 @@
+"""CPU tests of jaxfox.attention (attention_pool_init, attention_pool).
+
+Oracle: ``np_attention_pool`` below, a float64 NumPy loop over samples and heads written from
+OPS.md "Attention pooling over time" (K and V formed, softmax over the valid steps only); it shares
+no code with the library. Gradients are checked against float64 central differences of it.
+
+The kernel path cannot run here, but its host side can: ``kernel_path`` replaces ``jax.ffi.ffi_call``
+by ``jax.pure_callback`` into ``_emu_fwd`` / ``_emu_bwd``, a float64 NumPy transcription of the
+algorithm of ffi/attention_pool.cu (no K or V; u = W_k q / sqrt d; per-sample factors; chunked
+parameter-gradient sums). That checks the custom_vjp wiring (operand and output order, attrs,
+workspace sizes, vmap through broadcast_all, dtypes) and the derivation of the factored gradients
+against the oracle. The CUDA code itself is tested in test_gpu_attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from conftest import central_diff_grad, rel_err
+import jaxfox
+from jaxfox import attention_pool, attention_pool_init
+from jaxfox import attention as attn_mod
+
+KEYS = ("q", "w_k", "w_v", "w_o", "b_o")
+
+
+# ----------------------------------------------------------------------------------------------
+# Float64 oracle.
+def np_attention_pool(params, hs, mask, num_heads):
+    """pooled [B, H], alpha [B, n, T] in float64, straight from the equations."""
+    p = {k: np.asarray(params[k], np.float64) for k in KEYS}
+    hs = np.asarray(hs, np.float64)
+    B, T, H = hs.shape
+    n, d = num_heads, H // num_heads
+    valid_all = np.ones((B, T), bool) if mask is None else np.asarray(mask, bool)
+    pooled = np.zeros((B, H))
+    alpha = np.zeros((B, n, T))
+    for b in range(B):
+        valid = valid_all[b]
+        if not valid.any():
+            continue                                   # pooled 0, alpha 0
+        K = hs[b] @ p["w_k"]                           # [T, H]
+        V = hs[b] @ p["w_v"]
+        pv = np.zeros(H)
+        for j in range(n):
+            cols = slice(j * d, (j + 1) * d)
+            s = K[valid][:, cols] @ p["q"][cols] / math.sqrt(d)
+            e = np.exp(s - s.max())
+            a = e / e.sum()
+            alpha[b, j, valid] = a
+            pv[cols] = a @ V[valid][:, cols]
+        pooled[b] = pv @ p["w_o"] + p["b_o"]
+    return pooled, alpha
+
+
+def random_params(H, n, seed=0, scale=0.4):
+    """attention_pool_init plus a perturbation of every leaf (b_o nonzero, sharper attention)."""
+    params = attention_pool_init(jax.random.key(seed), H, num_heads=n)
+    rng = np.random.default_rng(seed + 1000)
+    return {k: params[k] + jnp.asarray(scale * rng.standard_normal(params[k].shape), jnp.float32) for k in KEYS}
+
+
+def random_mask(B, T, seed=0, all_masked=(), single=()):
+    rng = np.random.default_rng(seed + 2000)
+    m = rng.uniform(size=(B, T)) < 0.7
+    m[:, 0] |= ~m.any(axis=1)
+    for b in all_masked:
+        m[b] = False
+    for b in single:
+        m[b] = False
+        m[b, T // 2] = True
+    return m
+
+
+def _setup(B=3, T=5, H=8, n=2, seed=0, masked=True, **mask_kw):
+    params = random_params(H, n, seed)
+    hs = np.random.default_rng(seed + 3000).standard_normal((B, T, H)).astype(np.float32)
+    mask = random_mask(B, T, seed, **mask_kw) if masked else None
+    return params, hs, mask
+
+
+def _weights(B, T, H, n, seed=0):
+    rng = np.random.default_rng(seed + 4000)
+    return rng.standard_normal((B, H)), rng.standard_normal((B, n, T))
+
+
+def _loss_jax(params, hs, mask, n, r1, r2):
+    pooled, alpha = attention_pool(params, hs, None if mask is None else jnp.asarray(mask), num_heads=n)
+    return jnp.sum(pooled * jnp.asarray(r1, jnp.float32)) + jnp.sum(alpha * jnp.asarray(r2, jnp.float32))
+
+
+def _oracle_grads(params, hs, mask, n, r1, r2, eps=1e-6):
+    """Float64 central differences of the oracle loss w.r.t. every parameter and hs."""
+    H = hs.shape[-1]
+    base = {k: np.asarray(params[k], np.float64) for k in KEYS}
+    sizes = [base[k].size for k in KEYS]
+    x0 = np.concatenate([base[k].ravel() for k in KEYS] + [np.asarray(hs, np.float64).ravel()])
+
+    def f(x):
+        p, o = {}, 0
+        for k, s in zip(KEYS, sizes):
+            p[k] = x[o:o + s].reshape(base[k].shape)
+            o += s
+        pooled, alpha = np_attention_pool(p, x[o:].reshape(hs.shape), mask, n)
+        return float(np.sum(pooled * r1) + np.sum(alpha * r2))
+
+    g = central_diff_grad(f, x0, eps)
+    out, o = {}, 0
+    for k, s in zip(KEYS, sizes):
+        out[k] = g[o:o + s].reshape(base[k].shape)
+        o += s
+    assert H == hs.shape[-1]
+    return out, g[o:].reshape(hs.shape)
+
+
+def _assert_f32_close(got, want, tol=1e-5):
+    got = np.asarray(got)
+    assert got.dtype == np.float32, got.dtype
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all()
+    err = rel_err(got, want)
+    assert err <= tol, err
+
+
+CONFIGS = [  # (B, T, H, n)
+    (3, 5, 8, 2),
+    (2, 7, 12, 3),
+    (4, 6, 8, 1),     # one head, d = H
+    (2, 4, 6, 6),     # d = 1
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Values.
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("B,T,H,n", CONFIGS)
+def test_matches_float64_oracle(B, T, H, n, masked):
+    params, hs, mask = _setup(B, T, H, n, seed=B + T + H + n, masked=masked)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), None if mask is None else jnp.asarray(mask), num_heads=n)
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    assert np.std(want_a) > 0.02  # attention is not uniform: the case is not trivial
+    _assert_f32_close(pooled, want_p)
+    _assert_f32_close(alpha, want_a)
+    assert alpha.shape == (B, n, T)
+    if mask is not None:
+        assert np.all(np.asarray(alpha)[np.broadcast_to(~mask[:, None, :], alpha.shape)] == 0.0)
+    np.testing.assert_allclose(np.asarray(alpha).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_mask_all_true_equals_no_mask():
+    params, hs, _ = _setup(masked=False)
+    a = attention_pool(params, jnp.asarray(hs), num_heads=2)
+    b = attention_pool(params, jnp.asarray(hs), jnp.ones(hs.shape[:2], bool), num_heads=2)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_alpha_semantics_match_jax_softmax_where():
+    """alpha = jax.nn.softmax(scores, where=mask), scores computed here independently (float64)."""
+    B, T, H, n = 3, 6, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=7, all_masked=(1,))
+    d = H // n
+    k = np.asarray(hs, np.float64) @ np.asarray(params["w_k"], np.float64)
+    s = np.einsum("btjd,jd->bjt", k.reshape(B, T, n, d), np.asarray(params["q"], np.float64).reshape(n, d)) / 2.0
+    want = jax.nn.softmax(jnp.asarray(s, jnp.float32), axis=-1, where=jnp.asarray(mask)[:, None, :])
+    _, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    np.testing.assert_allclose(np.asarray(alpha), np.asarray(want), atol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradients.
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("B,T,H,n", CONFIGS[:3])
+def test_grads_match_oracle_finite_differences(B, T, H, n, masked):
+    params, hs, mask = _setup(B, T, H, n, seed=11 + B + n, masked=masked)
+    r1, r2 = _weights(B, T, H, n, seed=B)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
+    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
+    for k in KEYS:
+        _assert_f32_close(gp[k], wp[k], tol=1e-4)
+    _assert_f32_close(gh, wh, tol=1e-4)
+    assert np.abs(wp["w_k"]).max() > 1e-3 and np.abs(wp["q"]).max() > 1e-3  # score path is exercised
+
+
+def test_check_grads():
+    params, hs, mask = _setup(2, 4, 8, 2, seed=5)
+    r1, r2 = _weights(2, 4, 8, 2)
+
+    def f(params, hs):
+        return _loss_jax(params, hs, mask, 2, r1, r2)
+
+    check_grads(f, (params, jnp.asarray(hs)), order=1, modes=("fwd", "rev"), atol=5e-2, rtol=5e-2, eps=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Edge cases.
+def test_all_masked_sample():
+    B, T, H, n = 4, 6, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=21, all_masked=(2,))
+    hs[2] = 1e3 * np.random.default_rng(0).standard_normal((T, H))  # large values there change nothing
+    r1, r2 = _weights(B, T, H, n, seed=3)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    pooled, alpha = np.asarray(pooled), np.asarray(alpha)
+    assert np.all(pooled[2] == 0.0) and np.all(alpha[2] == 0.0)
+    assert np.isfinite(pooled).all() and np.isfinite(alpha).all()
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    _assert_f32_close(pooled, want_p)
+    _assert_f32_close(alpha, want_a)
+
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
+    assert all(np.isfinite(np.asarray(gp[k])).all() for k in KEYS) and np.isfinite(np.asarray(gh)).all()
+    assert np.all(np.asarray(gh)[2] == 0.0)
+    # The other samples are unaffected: same outputs and same parameter gradient without sample 2.
+    keep = [0, 1, 3]
+    p2, a2 = attention_pool(params, jnp.asarray(hs[keep]), jnp.asarray(mask[keep]), num_heads=n)
+    np.testing.assert_allclose(np.asarray(p2), pooled[keep], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a2), alpha[keep], rtol=1e-6, atol=1e-7)
+    gp2, gh2 = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs[keep]), mask[keep], n, r1[keep], r2[keep])
+    for k in KEYS:
+        np.testing.assert_allclose(np.asarray(gp[k]), np.asarray(gp2[k]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gh)[keep], np.asarray(gh2), rtol=1e-5, atol=1e-7)
+
+
+def test_every_sample_masked():
+    params, hs, _ = _setup(3, 4, 8, 2)
+    mask = np.zeros((3, 4), bool)
+    r1, r2 = _weights(3, 4, 8, 2)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=2)
+    assert np.all(np.asarray(pooled) == 0.0) and np.all(np.asarray(alpha) == 0.0)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, 2, r1, r2)
+    for leaf in list(gp.values()) + [gh]:
+        assert np.all(np.asarray(leaf) == 0.0)
+
+
+def test_single_valid_step():
+    B, T, H, n = 3, 7, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=31, single=(1,))
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    alpha = np.asarray(alpha)
+    t0 = T // 2
+    assert np.all(alpha[1, :, t0] == 1.0)
+    assert np.all(np.delete(alpha[1], t0, axis=1) == 0.0)
+    p = {k: np.asarray(params[k], np.float64) for k in KEYS}
+    want = (hs[1, t0].astype(np.float64) @ p["w_v"]) @ p["w_o"] + p["b_o"]  # pooled = v_t0 W_o + b_o
+    _assert_f32_close(np.asarray(pooled)[1], want)
+    # The scores cannot matter: the gradient of w_k and q from this sample alone is 0.
+    r1, r2 = _weights(1, T, H, n)
+    gp = jax.grad(_loss_jax)(params, jnp.asarray(hs[1:2]), mask[1:2], n, r1, r2)
+    assert np.all(np.asarray(gp["w_k"]) == 0.0) and np.all(np.asarray(gp["q"]) == 0.0)
+
+
+def _large_logit_case(kind):
+    """Scores of about +-1e4 that are exact in float32 (W_k = I, only q[0] and q[4] nonzero, d = 4).
+
+    kind "q": a large query (|q| = 16384) on unit-scale states; kind "h": a unit query (2 / sqrt(4))
+    on states of about +-1e4.
+    """
+    B, T, H, n = 2, 6, 8, 2
+    params, _, _ = _setup(B, T, H, n, seed=41)
+    params = dict(params)
+    params["w_k"] = jnp.eye(H, dtype=jnp.float32)
+    rng = np.random.default_rng(5)
+    hs = rng.standard_normal((B, T, H)).astype(np.float32)
+    t = np.arange(T, dtype=np.float32)
+    if kind == "q":
+        params["q"] = jnp.asarray([16384.0, 0, 0, 0, -16384.0, 0, 0, 0], jnp.float32)  # s_j = +-8192 h[4 j]
+        hs[0, :, 0] = 1 - t / 8192         # head 0 scores 8192 - t
+        hs[0, :, 4] = 1 - t / 16384        # head 1 scores -8192 + t / 2
+        hs[1, :, 0] = np.where(t % 2 == 0, 1.25, -1.25)   # +-10240: saturated
+        hs[1, :, 4] = np.where(t < 3, 1.0, 1 - 1 / 8192)
+    else:
+        params["q"] = jnp.asarray([2.0, 0, 0, 0, 2.0, 0, 0, 0], jnp.float32)         # s_j = h[4 j]
+        hs[0, :, 0] = 1e4 - t
+        hs[0, :, 4] = -1e4 + 0.5 * t
+        hs[1, :, 0] = np.where(t % 2 == 0, 1e4, -1e4)
+        hs[1, :, 4] = np.where(t < 3, -1e4 + t, -9990.0)
+    mask = np.ones((B, T), bool)
+    mask[1, 0] = False               # the largest logit of sample 1, head 0 is masked
+    return params, hs, mask, n
+
+
+@pytest.mark.parametrize("kind", ["q", "h"])
+def test_large_logits(kind):
+    params, hs, mask, n = _large_logit_case(kind)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    assert np.isfinite(np.asarray(pooled)).all() and np.isfinite(np.asarray(alpha)).all()
+    np.testing.assert_allclose(np.asarray(alpha), want_a, atol=1e-6)
+    assert abs(float(want_a[0, 0, 1]) - math.exp(-1) / sum(math.exp(-k) for k in range(6))) < 1e-12
+    assert np.all(np.asarray(alpha)[1, 0, 0] == 0.0) and abs(float(np.asarray(alpha)[1, 0, 2]) - 0.5) < 1e-6
+    _assert_f32_close(pooled, want_p)
+    r1, r2 = _weights(2, 6, 8, n)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
+    assert all(np.isfinite(np.asarray(gp[k])).all() for k in KEYS) and np.isfinite(np.asarray(gh)).all()
+    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2, eps=1e-8 if kind == "q" else 1e-4)
+    if kind == "q":
+        for k in KEYS:
+            _assert_f32_close(gp[k], wp[k], tol=1e-4)
+        _assert_f32_close(gh, wh, tol=1e-4)
+    else:
+        # With states of 1e4 the softmax backward a - rho (a = dalpha + h . dc ~ 1e4) loses about
+        # 1e-3 absolute in float32 (in any float32 implementation), and d q, d W_k multiply that by
+        # h ~ 1e4 again: only the gradients that do not pass through the scores are tight.
+        for k in ("w_v", "w_o", "b_o"):
+            _assert_f32_close(gp[k], wp[k], tol=1e-5)
+
+
+def test_bfloat16_hs_keeps_float32_softmax():
+    B, T, H, n = 3, 9, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=51)
+    params = dict(params)
+    params["q"] = params["q"] * 4.0   # sharp attention: bf16 scores or softmax would be off by ~1e-2
+    hs_bf = jnp.asarray(hs, jnp.bfloat16)
+    hs_exact = np.asarray(hs_bf.astype(jnp.float32))  # the values the bf16 array holds
+    pooled, alpha = attention_pool(params, hs_bf, jnp.asarray(mask), num_heads=n)
+    want_p, want_a = np_attention_pool(params, hs_exact, mask, n)
+    assert pooled.dtype == jnp.float32 and alpha.dtype == jnp.float32
+    _assert_f32_close(alpha, want_a)
+    _assert_f32_close(pooled, want_p)
+    r1, r2 = _weights(B, T, H, n)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, hs_bf, mask, n, r1, r2)
+    assert gh.dtype == jnp.bfloat16 and gp["w_k"].dtype == jnp.float32
+    wp, wh = _oracle_grads(params, hs_exact, mask, n, r1, r2)
+    _assert_f32_close(gp["w_v"], wp["w_v"], tol=1e-4)
+    assert rel_err(np.asarray(gh.astype(jnp.float32)), wh) < 1e-2  # bf16 rounding of the result only
+
+
+# ----------------------------------------------------------------------------------------------
+# API errors.
+def _bad(fn, exc, *words):
+    with pytest.raises(exc) as e:
+        fn()
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_errors():
+    params, hs, mask = _setup(2, 5, 8, 2)
+    hs = jnp.asarray(hs)
+    mask = jnp.asarray(mask)
+    ap = functools.partial(attention_pool, num_heads=2)
+    _bad(lambda: ap(params, hs, mask.astype(jnp.int32)), TypeError, "mask", "bool", "int32")
+    _bad(lambda: ap(params, hs, mask.astype(jnp.float32)), TypeError, "mask", "bool")
+    _bad(lambda: ap(params, hs, mask[:, :4]), ValueError, "mask", "[2, 5]", "(2, 4)")
+    _bad(lambda: ap(params, hs, mask[None]), ValueError, "mask", "(1, 2, 5)")
+    _bad(lambda: ap(params, hs.astype(jnp.int32), mask), TypeError, "hs", "int32")
+    _bad(lambda: ap(params, hs.astype(jnp.float16), mask), TypeError, "hs", "float16")
+    _bad(lambda: ap(params, np.asarray(hs, np.float64), mask), TypeError, "hs", "float64")
+    _bad(lambda: ap(params, hs[0], mask), ValueError, "hs", "[B, T, H]", "(5, 8)")
+    _bad(lambda: ap(params, [[1.0]], mask), TypeError, "hs")
+    _bad(lambda: ap(params, hs[..., :6], mask), ValueError, "params['q']", "[6]", "(8,)")
+    _bad(lambda: attention_pool(params, hs, mask, num_heads=3), ValueError, "num_heads", "8")
+    _bad(lambda: attention_pool(params, hs, mask, num_heads=0), ValueError, "num_heads")
+    _bad(lambda: attention_pool(params, hs, mask, num_heads=2.0), ValueError, "num_heads")
+    for k, bad in [("w_k", jnp.zeros((8, 7))), ("w_o", jnp.zeros((8,))), ("b_o", jnp.zeros((9,)))]:
+        _bad(lambda: ap({**params, k: bad}, hs, mask), ValueError, f"params['{k}']")
+    _bad(lambda: ap({**params, "w_v": params["w_v"].astype(jnp.bfloat16)}, hs, mask), TypeError,
+         "params['w_v']", "float32")
+    _bad(lambda: ap({k: params[k] for k in KEYS if k != "b_o"}, hs, mask), ValueError, "params", "b_o")
+    _bad(lambda: ap([params], hs, mask), ValueError, "params")
+    _bad(lambda: attention_pool_init(jax.random.key(0), 10, num_heads=4), ValueError, "num_heads", "10")
+    _bad(lambda: attention_pool_init(jax.random.key(0), 0), ValueError, "hidden_size")
+    _bad(lambda: attention_pool_init(jax.random.key(0), 8, num_heads=-1), ValueError, "num_heads")
+
+
+# ----------------------------------------------------------------------------------------------
+# Init.
+def test_init():
+    H = 16
+    p = attention_pool_init(jax.random.key(3), H, num_heads=4)
+    assert set(p) == set(KEYS)
+    assert p["q"].shape == (H,) and p["b_o"].shape == (H,)
+    for k in ("w_k", "w_v", "w_o"):
+        w = np.asarray(p[k])
+        assert w.shape == (H, H) and w.dtype == np.float32
+        b = math.sqrt(6.0 / (2 * H))
+        assert np.abs(w).max() <= b and np.abs(w).max() > 0.8 * b and abs(w.mean()) < 0.1 * b
+    assert np.abs(np.asarray(p["q"])).max() <= math.sqrt(6.0 / (1 + H))
+    assert np.all(np.asarray(p["b_o"]) == 0.0)
+    assert not np.array_equal(np.asarray(p["w_k"]), np.asarray(p["w_v"]))
+    p2 = attention_pool_init(jax.random.key(3), H, num_heads=4)
+    assert all(np.array_equal(np.asarray(p[k]), np.asarray(p2[k])) for k in KEYS)
+    # Near-uniform attention at initialisation for unit-scale inputs at the model's width (score
+    # std about 0.12 for H = 128).
+    p = attention_pool_init(jax.random.key(5), 128, num_heads=4)
+    hs = jax.random.normal(jax.random.key(4), (4, 10, 128))
+    _, alpha = attention_pool(p, hs, num_heads=4)
+    assert np.abs(np.asarray(alpha) - 0.1).max() < 0.05
+
+
+# ----------------------------------------------------------------------------------------------
+# Composition.
+def test_jit_and_grad_under_jit():
+    B, T, H, n = 3, 5, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=61)
+    r1, r2 = _weights(B, T, H, n)
+    eager = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    jitted = jax.jit(functools.partial(attention_pool, num_heads=n))(params, jnp.asarray(hs), jnp.asarray(mask))
+    for a, b in zip(eager, jitted):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    g = jax.jit(jax.grad(lambda p, h, m: _loss_jax(p, h, m, n, r1, r2), argnums=(0, 1)))(
+        params, jnp.asarray(hs), jnp.asarray(mask))
+    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
+    _assert_f32_close(g[0]["w_k"], wp["w_k"], tol=1e-4)
+    _assert_f32_close(g[1], wh, tol=1e-4)
+
+
+def test_vmap_over_instances_and_batch():
+    V, B, T, H, n = 3, 2, 5, 8, 2
+    ps = [random_params(H, n, seed=s) for s in range(V)]
+    stacked = {k: jnp.stack([p[k] for p in ps]) for k in KEYS}
+    rng = np.random.default_rng(9)
+    hs = rng.standard_normal((V, B, T, H)).astype(np.float32)
+    mask = rng.uniform(size=(V, B, T)) < 0.6
+    mask[..., 0] = True
+    mask[1, 1] = False  # one all-masked sample inside the vmapped batch
+    f = functools.partial(attention_pool, num_heads=n)
+    pooled, alpha = jax.vmap(f)(stacked, jnp.asarray(hs), jnp.asarray(mask))
+    for v in range(V):
+        wp, wa = np_attention_pool(ps[v], hs[v], mask[v], n)
+        _assert_f32_close(pooled[v], wp)
+        _assert_f32_close(alpha[v], wa)
+    # shared params, vmapped data; and vmap over the batch axis itself (B -> [V] x [1])
+    pooled2, _ = jax.vmap(f, in_axes=(None, 0, 0))(ps[0], jnp.asarray(hs), jnp.asarray(mask))
+    for v in range(V):
+        _assert_f32_close(pooled2[v], np_attention_pool(ps[0], hs[v], mask[v], n)[0])
+    pooled3, _ = jax.vmap(lambda h, m: f(ps[0], h[None], m[None]))(jnp.asarray(hs[0]), jnp.asarray(mask[0]))
+    _assert_f32_close(pooled3[:, 0], np_attention_pool(ps[0], hs[0], mask[0], n)[0])
+
+
+def test_inside_scan():
+    B, T, H, n = 2, 4, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=71)
+    xs = jnp.stack([jnp.asarray(hs), jnp.asarray(hs) * 0.5])
+
+    def body(carry, h):
+        pooled, _ = attention_pool(params, h + carry[:, None, :], jnp.asarray(mask), num_heads=n)
+        return pooled * 0.1, pooled
+
+    _, out = jax.lax.scan(body, jnp.zeros((B, H)), xs)
+    first = np_attention_pool(params, hs, mask, n)[0]
+    second = np_attention_pool(params, 0.5 * hs + (0.1 * first.astype(np.float32))[:, None, :], mask, n)[0]
+    _assert_f32_close(out[0], first)
+    _assert_f32_close(out[1], second)
+
+
+def test_zero_size_inputs():
+    params = random_params(8, 2)
+    pooled, alpha = attention_pool(params, jnp.zeros((0, 5, 8)), num_heads=2)
+    assert pooled.shape == (0, 8) and alpha.shape == (0, 2, 5)
+    pooled, alpha = attention_pool(params, jnp.zeros((2, 0, 8)), jnp.zeros((2, 0), bool), num_heads=2)
+    assert alpha.shape == (2, 2, 0) and np.all(np.asarray(pooled) == 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side of the kernel path, through a float64 NumPy transcription of ffi/attention_pool.cu.
+def _split_flat(w, H):
+    q = w[:H]
+    wk = w[H:H + H * H].reshape(H, H)
+    wv = w[H + H * H:H + 2 * H * H].reshape(H, H)
+    wo = w[H + 2 * H * H:H + 3 * H * H].reshape(H, H)
+    bo = w[H + 3 * H * H:]
+    return q, wk, wv, wo, bo
+
+
+def _emu_fwd(w, hs, mask, *, hidden_size, num_heads, tile_t):
+    H, n = hidden_size, num_heads
+    d, P = H // n, 3 * H * H + 2 * H
+    B, T = hs.shape[-3], hs.shape[-2]
+    lead = hs.shape[:-3]
+    assert w.shape == lead + (P,) and mask.shape == lead + (B, T) and mask.dtype == np.bool_
+    assert 1 <= tile_t <= T and attn_mod._smem_floats(H, n, tile_t) <= attn_mod._SMEM_FLOATS
+    V = int(np.prod(lead, dtype=np.int64))
+    w = np.asarray(w, np.float64).reshape(V, P)
+    hs = np.asarray(hs).astype(np.float64).reshape(V, B, T, H)
+    mask = mask.reshape(V, B, T)
+    pooled, alpha = np.zeros((V, B, H)), np.zeros((V, B, n, T))
+    c, pv = np.zeros((V, B, n, H)), np.zeros((V, B, H))
+    for v in range(V):
+        q, wk, wv, wo, bo = _split_flat(w[v], H)
+        u = np.stack([wk[:, j * d:(j + 1) * d] @ q[j * d:(j + 1) * d] for j in range(n)]) / math.sqrt(d)
+        head = np.arange(H) // d
+        for b in range(B):
+            m = mask[v, b]
+            if not m.any():
+                continue
+            h = hs[v, b]
+            s = u @ h.T                                                  # [n, T]
+            mx = np.max(np.where(m, s, -np.inf), axis=1, keepdims=True)
+            e = np.where(m, np.exp(np.where(m, s - mx, 0.0)), 0.0)
+            a = e / e.sum(axis=1, keepdims=True)
+            alpha[v, b] = a
+            c[v, b] = a @ h                                              # [n, H]
+            pv[v, b] = np.einsum("im,mi->i", c[v, b][head], wv)          # pv[i] = c_{j(i)} . W_v[:, i]
+            pooled[v, b] = pv[v, b] @ wo + bo
+    f32 = np.float32
+    return (pooled.reshape(lead + (B, H)).astype(f32), alpha.reshape(lead + (B, n, T)).astype(f32),
+            c.reshape(lead + (B, n, H)).astype(f32), pv.reshape(lead + (B, H)).astype(f32))
+
+
+def _emu_bwd(w, hs, mask, alpha, c, pv, g, dalpha, *, hidden_size, num_heads, tile_t, chunks):
+    H, n = hidden_size, num_heads
+    d, P, F = H // n, 3 * H * H + 2 * H, (3 + n) * H
+    B, T = hs.shape[-3], hs.shape[-2]
+    lead = hs.shape[:-3]
+    V = int(np.prod(lead, dtype=np.int64))
+    assert chunks == jaxfox.reduce.reduce_chunks(B, P)
+    for x, shape in [(alpha, (B, n, T)), (c, (B, n, H)), (pv, (B, H)), (g, (B, H)), (dalpha, (B, n, T))]:
+        assert x.shape == lead + shape and x.dtype == np.float32, (x.shape, shape, x.dtype)
+    f64 = lambda x, *s: np.asarray(x).astype(np.float64).reshape((V,) + s)  # noqa: E731
+    w, hsv = f64(w, P), f64(hs, B, T, H)
+    mask = mask.reshape(V, B, T)
+    alpha, c, pv, g, dalpha = f64(alpha, B, n, T), f64(c, B, n, H), f64(pv, B, H), f64(g, B, H), f64(dalpha, B, n, T)
+    dhs, fac = np.zeros((V, B, T, H)), np.zeros((V, B, F))
+    dw = np.zeros((V, P))
+    head = np.arange(H) // d
+    rows = -(-B // chunks)
+    for v in range(V):
+        q, wk, wv, wo, bo = _split_flat(w[v], H)
+        u = np.stack([wk[:, j * d:(j + 1) * d] @ q[j * d:(j + 1) * d] for j in range(n)]) / math.sqrt(d)
+        for b in range(B):
+            if not mask[v, b].any():
+                continue                                                 # zero dhs, zero factors
+            h, a = hsv[v, b], alpha[v, b]
+            dpv = wo @ g[v, b]
+            dc = np.stack([wv[:, j * d:(j + 1) * d] @ dpv[j * d:(j + 1) * d] for j in range(n)])
+            at = dalpha[v, b] + dc @ h.T                                 # [n, T]
+            rho = np.sum(a * at, axis=1, keepdims=True)
+            ds = a * (at - rho)
+            e = ds @ h                                                   # [n, H]
+            dhs[v, b] = a.T @ dc + ds.T @ u
+            dqb = np.einsum("mi,im->i", wk, e[head]) / math.sqrt(d)
+            fac[v, b] = np.concatenate([g[v, b], dpv, dqb, e.ravel()])
+        for k in range(chunks):                                          # chunk partials, then their sum
+            sl = slice(k * rows, min(B, (k + 1) * rows))
+            fb = fac[v, sl]
+            gb, dpvb, dqb, eb = fb[:, :H], fb[:, H:2 * H], fb[:, 2 * H:3 * H], fb[:, 3 * H:].reshape(-1, n, H)
+            dq = dqb.sum(0)
+            dwk = (q / math.sqrt(d))[None, :] * eb.sum(0)[head].T          # [m, i] = q_i/sqrt(d) sum_b e[j(i)][m]
+            dwv = np.einsum("bim,bi->mi", c[v, sl][:, head, :], dpvb)       # sum_b c_b[j(i)][m] dpv_b[i]
+            dwo = pv[v, sl].T @ gb
+            dbo = gb.sum(0)
+            dw[v] += np.concatenate([dq, dwk.ravel(), dwv.ravel(), dwo.ravel(), dbo])
+    f32 = np.float32
+    ws = np.zeros(lead + ((chunks * P if chunks > 1 else 0),), f32)
+    return (dw.reshape(lead + (P,)).astype(f32), dhs.reshape(hs.shape).astype(hs.dtype),
+            fac.reshape(lead + (B, F)).astype(f32), np.zeros(lead + (B, n, T), f32), ws)
+
+
+_EMULATORS = {"jaxfox_attention_pool_fwd": _emu_fwd, "jaxfox_attention_pool_bwd": _emu_bwd}
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """Runs attention_pool's kernel path with the FFI calls answered by the NumPy emulation."""
+    calls = []
+
+    def fake_ffi_call(target, result_shape_dtypes, *, vmap_method=None, **_):
+        assert vmap_method == "broadcast_all"
+
+        def call(*args, **attrs):
+            for k, val in attrs.items():
+                assert isinstance(val, np.int64), (k, type(val))
+            calls.append(target)
+            cb = functools.partial(_EMULATORS[target], **{k: int(val) for k, val in attrs.items()})
+            return jax.pure_callback(cb, result_shape_dtypes, *args, vmap_method="broadcast_all")
+
+        return call
+
+    monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+    monkeypatch.setattr(attn_mod, "dispatch", lambda kernel, reference, *args: kernel(*args))
+    return calls
+
+
+@pytest.mark.parametrize("B,T,H,n", [(3, 5, 8, 2), (4, 7, 12, 3), (70, 4, 8, 2)])  # B = 70: 2 chunks
+def test_kernel_algorithm_and_wiring(kernel_path, B, T, H, n):
+    params, hs, mask = _setup(B, T, H, n, seed=81 + B, all_masked=(1,), single=(0,))
+    r1, r2 = _weights(B, T, H, n, seed=5)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    _assert_f32_close(pooled, want_p)
+    _assert_f32_close(alpha, want_a)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
+    assert "jaxfox_attention_pool_bwd" in kernel_path and "jaxfox_attention_pool_fwd" in kernel_path
+    if B > 10:  # finite differences of the oracle are slow at B = 70: differentiate the reference
+        def ref_loss(p, h):
+            pooled, alpha = attn_mod._reference(n, p, h, jnp.asarray(mask))
+            return jnp.sum(pooled * jnp.asarray(r1, jnp.float32)) + jnp.sum(alpha * jnp.asarray(r2, jnp.float32))
+
+        before = len(kernel_path)
+        wp, wh = jax.grad(ref_loss, argnums=(0, 1))(params, jnp.asarray(hs))
+        assert len(kernel_path) == before  # the reference made no FFI calls
+        wp = {k: np.asarray(wp[k], np.float64) for k in KEYS}
+        wh = np.asarray(wh, np.float64)
+        _assert_f32_close(pooled, np_attention_pool(params, hs, mask, n)[0])
+    else:
+        wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
+    for k in KEYS:
+        _assert_f32_close(gp[k], wp[k], tol=1e-4)
+    _assert_f32_close(gh, wh, tol=1e-4)
+    assert np.all(np.asarray(gh)[1] == 0.0)
+
+
+def test_kernel_path_no_mask_vmap_bf16(kernel_path):
+    B, T, H, n = 2, 5, 8, 2
+    params, hs, _ = _setup(B, T, H, n, seed=91, masked=False)
+    pooled, _ = attention_pool(params, jnp.asarray(hs), num_heads=n)
+    _assert_f32_close(pooled, np_attention_pool(params, hs, None, n)[0])
+    # vmap: params and data batched (broadcast_all gives every operand the leading axis)
+    V = 3
+    ps = [random_params(H, n, seed=s) for s in range(V)]
+    stacked = {k: jnp.stack([p[k] for p in ps]) for k in KEYS}
+    hsv = np.random.default_rng(1).standard_normal((V, B, T, H)).astype(np.float32)
+    r1, r2 = _weights(B, T, H, n)
+
+    def loss(p, h):
+        return _loss_jax(p, h, None, n, r1, r2)
+
+    gv = jax.vmap(jax.grad(loss, argnums=(0, 1)))(stacked, jnp.asarray(hsv))
+    for v in range(V):
+        wp, wh = _oracle_grads(ps[v], hsv[v], None, n, r1, r2)
+        _assert_f32_close(gv[0]["w_o"][v], wp["w_o"], tol=1e-4)
+        _assert_f32_close(gv[1][v], wh, tol=1e-4)
+    # bfloat16 hs: dhs comes back as bfloat16
+    gh = jax.grad(loss, argnums=1)(params, jnp.asarray(hs, jnp.bfloat16))
+    assert gh.dtype == jnp.bfloat16
+
+
+def test_tile_choice():
+    assert attn_mod._tile_t(128, 4, 64) == 64      # the target shape keeps hs resident in shared memory
+    tt = attn_mod._tile_t(128, 4, 1000)
+    assert 1 <= tt < 1000 and attn_mod._smem_floats(128, 4, tt) <= attn_mod._SMEM_FLOATS
+    assert attn_mod._smem_floats(128, 4, tt + 1) > attn_mod._SMEM_FLOATS
+    assert attn_mod._tile_t(4096, 64, 8) == 0       # too large: the reference path is used
+    params = random_params(8, 2)
+    flat = attn_mod._flatten(params)
+    assert flat.shape == (3 * 64 + 16,)
+    back = attn_mod._unflatten(flat, 8)
+    assert all(np.array_equal(np.asarray(back[k]), np.asarray(params[k])) for k in KEYS)
