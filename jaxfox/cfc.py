@@ -338,7 +338,8 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
     _check_array("xs", xs, (B, T, I))
     H = cfg.hidden_size
     if h0 is None:
-        h0 = jnp.zeros((B, H), jnp.float32)
+        # zeros_like keeps xs's sharding and (under shard_map) its varying-axes type
+        h0 = jnp.zeros_like(xs, shape=(B, H))
     _check_array("h0", h0, (B, H))
     ts, concrete = _prepare_ts(ts, B, T)
     hs = _scan_dispatch(cfg, params, xs, ts, h0)

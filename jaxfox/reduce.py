@@ -67,9 +67,10 @@ def reduce_axis0(x: jax.Array) -> jax.Array:
       TypeError: ``x`` is not float32.
       ValueError: ``x`` is not 2-D.
     """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) != jnp.float32:  # checked before any conversion
+        raise TypeError(f"reduce_axis0: x must be a float32 array, got {dtype if dtype is not None else type(x).__name__}")
     x = jnp.asarray(x)
     if x.ndim != 2:
         raise ValueError(f"reduce_axis0: x must be 2-D [B, P], got shape {x.shape}")
-    if x.dtype != jnp.float32:
-        raise TypeError(f"reduce_axis0: x must be float32, got {x.dtype}")
     return _reduce(x)

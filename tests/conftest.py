@@ -1,0 +1,172 @@
+"""Shared test setup and helpers.
+
+* Forces 8 host (CPU) devices so shard_map tests can build 4- and 8-device meshes. This must
+  happen before jax is imported anywhere, hence at the top of conftest.py; existing XLA_FLAGS
+  are kept.
+* ``np_cfc_scan`` / ``np_cfc_cell``: an independent float64 NumPy implementation of the CfC
+  equations (OPS.md "CfC cell and scan", ncps ``CfCCell``), a plain loop over time. It shares no
+  code with ``jaxfox.cfc``.
+* ``rel_err``, ``random_cfc_params``, ``flat_grad_fd``: small helpers used by several test files.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _force_host_devices(n=8):
+    """Appends --xla_force_host_platform_device_count=n to XLA_FLAGS, keeping every other flag
+    (a count of at least n that is already there is kept as it is)."""
+    key = "--xla_force_host_platform_device_count="
+    kept = []
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        if flag.startswith(key):
+            try:
+                if int(flag[len(key):]) >= n:
+                    return
+            except ValueError:
+                pass
+            continue
+        kept.append(flag)
+    os.environ["XLA_FLAGS"] = " ".join(kept + [f"{key}{n}"])
+
+
+_force_host_devices(8)
+
+import numpy as np  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------
+# Float64 NumPy oracle of the CfC equations.
+def _np_lecun_tanh(x):
+    return 1.7159 * np.tanh(0.666 * x)
+
+
+def _np_sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def to_f64(params):
+    """cfc_init-style params (jax or numpy leaves) -> the same structure of float64 numpy arrays."""
+    out = {
+        "backbone": [{"w": np.asarray(l["w"], np.float64), "b": np.asarray(l["b"], np.float64)}
+                     for l in params["backbone"]],
+        "heads_w": np.asarray(params["heads_w"], np.float64),
+        "heads_b": np.asarray(params["heads_b"], np.float64),
+    }
+    for k in ("w_tau", "A"):
+        if k in params:
+            out[k] = np.asarray(params[k], np.float64)
+    return out
+
+
+def np_ts(ts, B, T):
+    """ts as a scalar, [B] or [B, T] -> [B, T] float64."""
+    ts = np.asarray(ts, np.float64)
+    if ts.ndim == 1:
+        ts = ts[:, None]
+    return np.broadcast_to(ts, (B, T)).astype(np.float64)
+
+
+def np_cfc_cell(p, h, x, ts, mode):
+    """One CfC step in float64. p from to_f64; h [B, H], x [B, I], ts [B] -> [B, H]."""
+    h = np.asarray(h, np.float64)
+    x = np.asarray(x, np.float64)
+    t = np.asarray(ts, np.float64).reshape(-1, 1)
+    z = np.concatenate([x, h], axis=1)                    # z = [x_t, h_{t-1}]
+    for layer in p["backbone"]:                            # Linear -> lecun_tanh, L times
+        z = _np_lecun_tanh(z @ layer["w"] + layer["b"])
+    H = h.shape[1]
+    if mode == "pure":
+        ff1 = z @ p["heads_w"] + p["heads_b"]              # the only head
+        A, w_tau = p["A"], p["w_tau"]
+        return -A * np.exp(-t * (np.abs(w_tau) + np.abs(ff1))) * ff1 + A
+    heads = z @ p["heads_w"] + p["heads_b"]
+    ff1 = np.tanh(heads[:, 0 * H:1 * H])
+    ff2 = np.tanh(heads[:, 1 * H:2 * H])
+    t_a = heads[:, 2 * H:3 * H]
+    t_b = heads[:, 3 * H:4 * H]
+    g = _np_sigmoid(t_a * t + t_b)
+    if mode == "no_gate":
+        return ff1 + g * ff2
+    if mode == "default":
+        return ff1 * (1.0 - g) + g * ff2
+    raise ValueError(mode)
+
+
+def np_cfc_scan(params, xs, ts=1.0, h0=None, mode="default"):
+    """Float64 CfC scan: xs [B, T, I], ts scalar/[B]/[B, T], h0 [B, H] or None -> hs [B, T, H]."""
+    p = to_f64(params)
+    xs = np.asarray(xs, np.float64)
+    B, T, _ = xs.shape
+    H = p["heads_w"].shape[1] // (1 if mode == "pure" else 4)
+    h = np.zeros((B, H)) if h0 is None else np.asarray(h0, np.float64)
+    t = np_ts(ts, B, T)
+    hs = np.empty((B, T, H))
+    for k in range(T):
+        h = np_cfc_cell(p, h, xs[:, k], t[:, k], mode)
+        hs[:, k] = h
+    return hs
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers.
+def rel_err(a, b):
+    """||a - b|| / ||b|| over all leaves (float64); 0 when both are exactly zero."""
+    import jax
+
+    la = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(a)]
+    lb = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(b)]
+    assert len(la) == len(lb), (len(la), len(lb))
+    for x, y in zip(la, lb):
+        assert x.shape == y.shape, (x.shape, y.shape)
+    a = np.concatenate(la) if la else np.zeros(0)
+    b = np.concatenate(lb) if lb else np.zeros(0)
+    num = np.linalg.norm(a - b)
+    den = np.linalg.norm(b)
+    if den == 0.0:
+        return 0.0 if num == 0.0 else np.inf
+    return float(num / den)
+
+
+def random_cfc_params(key, I, H, U, L, mode, scale=0.3, seed=0):
+    """cfc_init params plus a random perturbation of every leaf (so no value is trivially 0 / 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxfox import cfc_init
+
+    params = cfc_init(key, I, H, backbone_units=U, backbone_layers=L, mode=mode)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda x: x + jnp.asarray(scale * rng.standard_normal(x.shape), jnp.float32), params)
+
+
+def random_inputs(B, T, I, H, seed=0, ts_kind="per_step"):
+    """xs [B, T, I], ts (per `ts_kind`: "scalar", "per_sample", "per_step"), h0 [B, H]; all float32 numpy."""
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((B, T, I)).astype(np.float32)
+    h0 = (0.5 * rng.standard_normal((B, H))).astype(np.float32)
+    if ts_kind == "scalar":
+        ts = np.float32(0.7)
+    elif ts_kind == "per_sample":
+        ts = rng.uniform(0.1, 2.0, (B,)).astype(np.float32)
+    else:
+        ts = rng.uniform(0.1, 2.0, (B, T)).astype(np.float32)
+    return xs, ts, h0
+
+
+def central_diff_grad(f, x, eps=1e-6):
+    """Float64 central-difference gradient of scalar f at float64 array x (same shape as x)."""
+    x = np.array(x, np.float64)
+    g = np.empty_like(x)
+    flat, gf = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f(x)
+        flat[i] = old - eps
+        fm = f(x)
+        flat[i] = old
+        gf[i] = (fp - fm) / (2 * eps)
+    return g
