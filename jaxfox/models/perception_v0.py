@@ -1,0 +1,167 @@
+"""Perception model v0: per-variable linear embedding -> CfC (:class:`jaxfox.nn.CfC`) -> last state -> logit.
+
+    x [B, T, m]  (m scalar features per day, z-scored)
+    e[b, t, j, :] = x[b, t, j] * embed_w[j] + embed_b[j]            [B, T, m, d]   (one d-vector per variable)
+    z = reshape(e, [B, T, m * d])                                     CfC input, I = m * d
+    hs = cfc_scan(z, ts)                                              [B, T, H]
+    logit = hs[:, -1] @ head_w + head_b                               [B]
+
+Trained with binary cross-entropy on the logit (``optax.sigmoid_binary_cross_entropy``) and AdamW
+(``optax.adamw``, global-norm gradient clipping first). The per-variable embedding is the input stage of
+the Temporal Fusion Transformer (Lim et al. 2021, sec. 4.1, "entity embeddings / linear transformations");
+issue 3 replaces the flatten with a variable selection network and the last-state read-out with attention
+pooling and a GRN head.
+
+Training-loop pieces: :func:`make_model`, :func:`make_optimizer`, :func:`loss_fn`, :func:`train_step`
+(``nnx.jit``, updates model and optimizer in place), :func:`predict_logits`, :func:`evaluate`, and
+:func:`benchmark_step` (a pure ``(state, batch) -> (state, loss)`` function for ``jaxfox.bench``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxfox.nn import CfC
+
+__all__ = [
+    "PerceptionV0", "make_model", "make_optimizer", "loss_fn", "train_step", "predict_logits", "evaluate",
+    "benchmark_step",
+]
+
+
+class PerceptionV0(nnx.Module):
+    """Embedding -> CfC -> last state -> linear head (module docstring for the equations).
+
+    Args:
+      num_features: m, scalar features per time step.
+      embed_dim: d, width of each variable's embedding (CfC input I = m * d).
+      hidden: H, CfC state size.  backbone_units / backbone_layers / mode: passed to :class:`jaxfox.nn.CfC`.
+      rngs: ``nnx.Rngs`` (stream ``params``).
+
+    Initialisation: ``embed_w`` ~ N(0, 1) (a linear map with fan-in 1, LeCun-normal), ``embed_b`` = 0;
+    CfC as ncps; head ``nnx.Linear`` defaults (LeCun-normal kernel, zero bias).
+    """
+
+    def __init__(self, num_features: int, *, embed_dim: int = 4, hidden: int = 64, backbone_units: int = 128,
+                 backbone_layers: int = 1, mode: str = "default", rngs: nnx.Rngs):
+        for name, v in (("num_features", num_features), ("embed_dim", embed_dim), ("hidden", hidden)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.num_features = int(num_features)
+        self.embed_dim = int(embed_dim)
+        self.embed_w = nnx.Param(jax.random.normal(rngs.params(), (num_features, embed_dim), jnp.float32))
+        self.embed_b = nnx.Param(jnp.zeros((num_features, embed_dim), jnp.float32))
+        self.cfc = CfC(num_features * embed_dim, hidden, backbone_units=backbone_units,
+                       backbone_layers=backbone_layers, mode=mode, rngs=rngs)
+        self.head = nnx.Linear(hidden, 1, rngs=rngs)
+
+    def embed(self, x):
+        """x [B, T, m] -> CfC input [B, T, m * d]."""
+        e = x[..., None] * self.embed_w[...] + self.embed_b[...]
+        return e.reshape(*x.shape[:-1], self.num_features * self.embed_dim)
+
+    def __call__(self, x, ts=1.0):
+        """x [B, T, m] float32 (ts: elapsed bars per step, see :func:`jaxfox.cfc_scan`) -> logits [B] float32.
+
+        Raises:
+          ValueError: x is not [B, T, m] with m = num_features.  TypeError: x is not float32.
+        """
+        if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[-1] != self.num_features:
+            raise ValueError(f"x must have shape [B, T, {self.num_features}], got {getattr(x, 'shape', type(x))}")
+        if x.dtype != jnp.float32:
+            raise TypeError(f"x must be float32, got {x.dtype}")
+        hs = self.cfc(self.embed(x), ts)
+        return self.head(hs[:, -1])[:, 0]
+
+
+def make_model(num_features: int, *, hidden: int = 64, embed_dim: int = 4, backbone_units: int = 128,
+               backbone_layers: int = 1, mode: str = "default", rngs: nnx.Rngs) -> PerceptionV0:
+    """A :class:`PerceptionV0` for ``num_features`` inputs (keyword arguments as the class)."""
+    return PerceptionV0(num_features, embed_dim=embed_dim, hidden=hidden, backbone_units=backbone_units,
+                        backbone_layers=backbone_layers, mode=mode, rngs=rngs)
+
+
+def make_optimizer(model: nnx.Module, *, lr: float = 1e-3, weight_decay: float = 1e-2,
+                   clip_norm: float = 1.0) -> nnx.Optimizer:
+    """``nnx.Optimizer`` over the model's ``nnx.Param``s: clip by global norm, then ``optax.adamw``."""
+    tx = optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, weight_decay=weight_decay))
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def loss_fn(model: PerceptionV0, x, y):
+    """Mean binary cross-entropy of ``model(x)`` logits [B] against labels y [B] in {0, 1} (float32)."""
+    return optax.sigmoid_binary_cross_entropy(model(x), y).mean()
+
+
+def _step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+@nnx.jit
+def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y):
+    """One AdamW step on a batch x [B, T, m], y [B]; updates ``model`` and ``optimizer`` in place.
+
+    Returns the batch's mean BCE before the update (float32 scalar).
+    """
+    return _step(model, optimizer, x, y)
+
+
+@nnx.jit
+def _logits(model, x):
+    return model(x)
+
+
+def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarray:
+    """Logits [N] (NumPy float32) for x [N, T, m], in fixed-size chunks (the last one zero-padded) so that
+    any N reuses one compiled function."""
+    x = np.asarray(x, np.float32)
+    n = x.shape[0]
+    out = []
+    for i in range(0, n, batch_size):
+        chunk = x[i:i + batch_size]
+        k = chunk.shape[0]
+        if k < batch_size:
+            chunk = np.concatenate([chunk, np.zeros((batch_size - k, *chunk.shape[1:]), np.float32)])
+        out.append(np.asarray(_logits(model, jnp.asarray(chunk)))[:k])
+    return np.concatenate(out) if out else np.zeros((0,), np.float32)
+
+
+def evaluate(model: PerceptionV0, x, y, *, batch_size: int = 256) -> tuple[float, float]:
+    """(mean BCE, ROC AUC) of the model on x [N, T, m], y [N] (AUC by :func:`jaxfox.data.market.auc`)."""
+    from jaxfox.data.market import auc
+
+    y = np.asarray(y, np.float32)
+    logits = predict_logits(model, x, batch_size=batch_size)
+    loss = float(np.asarray(optax.sigmoid_binary_cross_entropy(jnp.asarray(logits), jnp.asarray(y)).mean()))
+    return loss, auc(logits, y)
+
+
+def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *, hidden: int = 64,
+                   embed_dim: int = 4, seed: int = 0):
+    """A whole training step as a pure function, for the benchmark harness (which jits and loops it).
+
+    Returns:
+      ``(step_fn, state, batch)``: ``step_fn(state, batch) -> (state, loss)`` is un-jitted and pure;
+      ``state`` is the ``nnx.State`` of (model, optimizer) (a pytree of arrays); ``batch`` is
+      ``(x [batch, window, num_features] float32 ~ N(0, 1), y [batch] float32 in {0, 1})``.
+    """
+    rngs = nnx.Rngs(seed)
+    model = make_model(num_features, hidden=hidden, embed_dim=embed_dim, rngs=rngs)
+    optimizer = make_optimizer(model)
+    graphdef, state = nnx.split((model, optimizer))
+    kx, ky = jax.random.split(jax.random.key(seed + 1))
+    data = (jax.random.normal(kx, (batch, window, num_features), jnp.float32),
+            jax.random.bernoulli(ky, 0.5, (batch,)).astype(jnp.float32))
+
+    def step_fn(state, batch):
+        model, optimizer = nnx.merge(graphdef, state, copy=True)  # copy: never mutate the caller's state
+        loss = _step(model, optimizer, *batch)
+        return nnx.state((model, optimizer)), loss
+
+    return step_fn, state, data

@@ -1,0 +1,207 @@
+"""Tests for jaxfox.nn.CfC, jaxfox.models.perception_v0, the main job (examples/train_perception.py)
+and the walkthrough notebook (examples/perception.ipynb). CPU; the real-data runs take ~1 minute."""
+
+import json
+import math
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxfox
+import jaxfox.nn
+from jaxfox.models import benchmark_step, make_model, make_optimizer, train_step
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+# ---------------------------------------------------------------- independent float64 NumPy forward
+def _lecun_tanh(x):
+    return 1.7159 * np.tanh(0.666 * x)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _np_cfc_scan(p, xs, ts, mode):
+    """ncps CfCCell equations, float64, time loop in Python. p: dict of float64 arrays (cfc_init layout)."""
+    B, T, _ = xs.shape
+    H = p["heads_w"].shape[1] // (1 if mode == "pure" else 4)
+    h = np.zeros((B, H))
+    out = []
+    for t in range(T):
+        z = np.concatenate([xs[:, t], h], axis=1)
+        for layer in p["backbone"]:
+            z = _lecun_tanh(z @ layer["w"] + layer["b"])
+        pre = z @ p["heads_w"] + p["heads_b"]
+        if mode == "pure":
+            h = -p["A"] * np.exp(-ts * (np.abs(p["w_tau"]) + np.abs(pre))) * pre + p["A"]
+        else:
+            ff1, ff2, ta, tb = (np.tanh(pre[:, :H]), np.tanh(pre[:, H:2 * H]), pre[:, 2 * H:3 * H], pre[:, 3 * H:])
+            g = _sigmoid(ta * ts + tb)
+            h = ff1 + g * ff2 if mode == "no_gate" else ff1 * (1.0 - g) + g * ff2
+        out.append(h)
+    return np.stack(out, axis=1)
+
+
+def _f64(tree):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+# ---------------------------------------------------------------- jaxfox.nn.CfC
+@pytest.mark.parametrize("mode,layers", [("default", 1), ("default", 0), ("no_gate", 2), ("pure", 1)])
+def test_nn_cfc_params_are_cfc_init_and_forward_matches_numpy(mode, layers):
+    I, H, U, B, T = 5, 7, 16, 3, 6
+    m = jaxfox.nn.CfC(I, H, backbone_units=U, backbone_layers=layers, mode=mode, rngs=nnx.Rngs(3))
+    want = jaxfox.cfc_init(nnx.Rngs(3).params(), I, H, backbone_units=U, backbone_layers=layers, mode=mode)
+    got = m.params
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # every array of the module is an nnx.Param (the optimizer's `wrt`)
+    n_param = sum(v.size for v in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert n_param == sum(v.size for v in jax.tree.leaves(want))
+
+    xs = np.random.default_rng(0).normal(size=(B, T, I)).astype(np.float32)
+    hs = np.asarray(m(jnp.asarray(xs), 0.7))
+    ref = _np_cfc_scan(_f64(want), xs.astype(np.float64), 0.7, mode)
+    assert hs.shape == (B, T, H) and hs.dtype == np.float32
+    np.testing.assert_allclose(hs, ref, rtol=2e-5, atol=2e-5)
+    # and it is exactly the functional op on the same params
+    np.testing.assert_array_equal(hs, np.asarray(jaxfox.cfc_scan(want, jnp.asarray(xs), 0.7, mode=mode)))
+
+
+def test_nn_cfc_grad_matches_functional_grad_and_h0():
+    I, H, B, T = 4, 6, 2, 5
+    m = jaxfox.nn.CfC(I, H, backbone_units=8, rngs=nnx.Rngs(1))
+    xs = jax.random.normal(jax.random.key(0), (B, T, I))
+    h0 = jax.random.normal(jax.random.key(1), (B, H))
+    np.testing.assert_allclose(np.asarray(m(xs, 1.0, h0)),
+                               np.asarray(jaxfox.cfc_scan(m.params, xs, 1.0, h0)), rtol=0, atol=0)
+    g_mod = nnx.grad(lambda mod: (mod(xs, 1.0, h0) ** 2).sum())(m)
+    g_fun = jax.grad(lambda p: (jaxfox.cfc_scan(p, xs, 1.0, h0) ** 2).sum())(m.params)
+    np.testing.assert_allclose(np.asarray(g_mod["heads_w"][...]), np.asarray(g_fun["heads_w"]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_mod["backbone"][0]["w"][...]), np.asarray(g_fun["backbone"][0]["w"]),
+                               rtol=1e-6)
+    assert float(jnp.abs(g_fun["heads_w"]).sum()) > 0
+
+
+def test_nn_cfc_errors_name_the_argument():
+    m = jaxfox.nn.CfC(4, 6, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="xs"):
+        m(jnp.zeros((2, 5, 3)))
+    with pytest.raises(TypeError, match="xs"):
+        m(jnp.zeros((2, 5, 4), jnp.float16))
+    with pytest.raises(ValueError, match="h0"):
+        m(jnp.zeros((2, 5, 4)), 1.0, jnp.zeros((2, 5)))
+    with pytest.raises(ValueError, match="ts"):
+        m(jnp.zeros((2, 5, 4)), -1.0)
+    with pytest.raises(ValueError, match="hidden_size"):
+        jaxfox.nn.CfC(4, 0, rngs=nnx.Rngs(0))
+
+
+# ---------------------------------------------------------------- perception v0
+def test_perception_v0_logits_match_numpy():
+    m_feat, d, H, B, T = 5, 3, 6, 4, 7
+    model = make_model(m_feat, hidden=H, embed_dim=d, backbone_units=8, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(1).normal(size=(B, T, m_feat)).astype(np.float32)
+    got = np.asarray(model(jnp.asarray(x)))
+    ew, eb = np.asarray(model.embed_w[...], np.float64), np.asarray(model.embed_b[...], np.float64)
+    z = (x.astype(np.float64)[..., None] * ew + eb).reshape(B, T, m_feat * d)  # variable-major flatten
+    hs = _np_cfc_scan(_f64(model.cfc.params), z, 1.0, "default")
+    want = hs[:, -1] @ np.asarray(model.head.kernel[...], np.float64)[:, 0] + float(model.head.bias[...][0])
+    assert got.shape == (B,) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="x must have shape"):
+        model(jnp.zeros((B, T, m_feat + 1)))
+    with pytest.raises(TypeError, match="x must be float32"):
+        model(jnp.zeros((B, T, m_feat), jnp.float16))
+
+
+def test_train_step_decreases_loss_on_fixed_batch():
+    model = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
+    opt = make_optimizer(model, lr=1e-2)
+    x = jax.random.normal(jax.random.key(0), (16, 10, 6))
+    y = (x[:, -1, 0] > 0).astype(jnp.float32)
+    losses = [float(train_step(model, opt, x, y)) for _ in range(30)]
+    assert losses[0] > 0.6 and losses[-1] < 0.5 * losses[0]
+
+
+def test_benchmark_step_is_pure_and_jittable():
+    step_fn, state, batch = benchmark_step(batch=8, window=12, num_features=5, hidden=8)
+    x, y = batch
+    assert x.shape == (8, 12, 5) and x.dtype == jnp.float32 and y.shape == (8,)
+    s1, l1 = step_fn(state, batch)            # un-jitted
+    s1b, l1b = step_fn(state, batch)          # same input -> same output: no hidden state mutated
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l1b))
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s1b)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(s1) == jax.tree.structure(state)
+    jitted = jax.jit(step_fn)
+    s2, l2 = jitted(state, batch)
+    np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5)
+    s, losses = state, []
+    for _ in range(20):
+        s, loss = jitted(s, batch)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    assert math.isclose(losses[0], float(l1), rel_tol=1e-5)
+
+
+# ---------------------------------------------------------------- the main job on the real data
+def _import_main_job():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import train_perception
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return train_perception
+
+
+def test_main_job_one_short_epoch_on_real_data(tmp_path, capsys):
+    tp = _import_main_job()
+    metrics = tp.main(["--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["n_train"] == 256 and saved["n_val"] > 500 and saved["n_test"] > 500
+    assert len(saved["history"]["val_auc"]) == 1 and saved["best_epoch"] == 1
+    for k in ("test_auc", "best_val_auc"):
+        assert math.isfinite(saved[k]) and 0.0 <= saved[k] <= 1.0
+    assert set(saved["baselines_test"]) == {"trailing_abs_return", "trailing_vix"}
+    assert all(math.isfinite(v) for v in saved["baselines_test"].values())
+    assert saved["test_auc"] == pytest.approx(metrics["test_auc"])
+    assert saved["kernels_available"] == jaxfox.kernels_available()
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "TEST AUC" in out and "trailing_vix" in out and "kernels used" in out
+
+
+def test_main_job_rejects_bad_arguments(tmp_path):
+    tp = _import_main_job()
+    with pytest.raises(SystemExit):
+        tp.main(["--epochs", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        tp.main(["--max-train-windows", "4", "--out", str(tmp_path)])
+
+
+# ---------------------------------------------------------------- the notebook
+def test_notebook_executes(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(EXAMPLES / "perception.ipynb", as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
+    monkeypatch.setenv("JAXFOX_NB_EPOCHS", "1")
+    monkeypatch.setenv("JAXFOX_NB_MAX_TRAIN", "256")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "test AUC" in text
