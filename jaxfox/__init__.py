@@ -6,9 +6,7 @@ Every op runs its CUDA kernels on a GPU and a pure-JAX reference elsewhere (see 
 from jaxfox._ffi import kernels_available, kernels_unavailable_reason, use_reference
 from jaxfox.attention import attention_pool, attention_pool_init
 from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
-from jaxfox.grn import grn, grn_init
 from jaxfox.reduce import reduce_axis0
-from jaxfox.vsn import vsn, vsn_init
 
 __version__ = "0.1.0"
 
