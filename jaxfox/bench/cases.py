@@ -141,3 +141,38 @@ def perception_case(size: str) -> list[Variant]:
 
     label = f"B={kw['batch']} T={kw['window']} m={kw['num_features']}"
     return [Variant("perception_step", label, setup, stateful=True, params=dict(kw))]
+
+
+# ----------------------------------------------------------------------------------------------
+_ROW_SHAPES = {"small": [(4, 16)], "default": [(32, 64), (256, 64)], "large": [(1024, 64)]}
+
+
+@register("attention_pool")
+def attention_pool_case(size: str) -> list[Variant]:
+    """jaxfox.attention_pool forward+backward (value_and_grad of sum(pooled * w) w.r.t. params and hs).
+
+    hs [B, T, H] with H = 128 (16 small), 4 heads, no mask; rows = B x T (2048 and 16384 by default).
+    """
+    import jaxfox
+
+    H = 16 if size == "small" else 128
+    out = []
+    for B, T in _ROW_SHAPES[size]:
+        def setup(B=B, T=T):
+            params = jaxfox.attention_pool_init(jax.random.key(5), H, num_heads=4)
+            hs, w = _normal(6, (B, T, H)), _normal(7, (H,))
+
+            def builder():
+                def op(params, hs):
+                    def loss(p, x):
+                        return jnp.sum(jaxfox.attention_pool(p, x)[0] * w)
+
+                    return jax.value_and_grad(loss, argnums=(0, 1))(params, hs)
+
+                return op
+
+            return CaseSpec(builder, None, (params, hs), None, None)
+
+        out.append(Variant("attention_pool", f"fwd+bwd B={B} T={T} H={H} ({B * T} rows)", setup,
+                           params={"B": B, "T": T, "H": H}))
+    return out
