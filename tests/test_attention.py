@@ -219,13 +219,14 @@ def test_all_masked_sample():
     assert np.all(np.asarray(gh)[2] == 0.0)
     # The other samples are unaffected: same outputs and same parameter gradient without sample 2.
     keep = [0, 1, 3]
+    # (XLA:CPU blocks its float32 matmuls by batch size, so B=3 and B=4 round differently: ~1e-5.)
     p2, a2 = attention_pool(params, jnp.asarray(hs[keep]), jnp.asarray(mask[keep]), num_heads=n)
-    np.testing.assert_allclose(np.asarray(p2), pooled[keep], rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(a2), alpha[keep], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(p2), pooled[keep], rtol=3e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a2), alpha[keep], rtol=3e-5, atol=1e-6)
     gp2, gh2 = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs[keep]), mask[keep], n, r1[keep], r2[keep])
     for k in KEYS:
-        np.testing.assert_allclose(np.asarray(gp[k]), np.asarray(gp2[k]), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(gh)[keep], np.asarray(gh2), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(gp[k]), np.asarray(gp2[k]), rtol=3e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gh)[keep], np.asarray(gh2), rtol=3e-5, atol=1e-6)
 
 
 def test_every_sample_masked():
