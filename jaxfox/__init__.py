@@ -5,6 +5,7 @@ Every op runs its CUDA kernels on a GPU and a pure-JAX reference elsewhere (see 
 
 from jaxfox._ffi import kernels_available, kernels_unavailable_reason, use_reference
 from jaxfox.attention import attention_pool, attention_pool_init
+from jaxfox.c51 import branching_dueling_logits, categorical_double_q_loss, categorical_projection
 from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
 from jaxfox.reduce import reduce_axis0
 
@@ -15,4 +16,5 @@ __all__ = [
     "reduce_axis0",
     "cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh",
     "attention_pool_init", "attention_pool",
+    "branching_dueling_logits", "categorical_double_q_loss", "categorical_projection",
 ]
