@@ -7,6 +7,8 @@ from jaxfox._ffi import kernels_available, kernels_unavailable_reason, use_refer
 from jaxfox.attention import attention_pool, attention_pool_init
 from jaxfox.c51 import branching_dueling_logits, categorical_double_q_loss, categorical_projection
 from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
+from jaxfox import optim, per
+from jaxfox.optim import FlatParams, cast_bf16, ema_update, fused_adamw
 from jaxfox.reduce import reduce_axis0
 
 __version__ = "0.1.0"
@@ -17,4 +19,5 @@ __all__ = [
     "cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh",
     "attention_pool_init", "attention_pool",
     "branching_dueling_logits", "categorical_double_q_loss", "categorical_projection",
+    "per", "optim", "FlatParams", "fused_adamw", "ema_update", "cast_bf16",
 ]

@@ -1,0 +1,398 @@
+"""Optimizer and parameter maintenance: flat parameter buffers, fused AdamW, EMA, float32 -> bfloat16.
+
+Math and edge rules: OPS.md "Optimizer and parameter maintenance (flat buffers)".
+
+* :class:`FlatParams` / :func:`flatten`: a parameter pytree as ONE flat float32 buffer [P] with a
+  pytree view (the layout the CUDA kernels will read: leaves in ``jax.tree.leaves`` order, each
+  row-major).
+* :func:`fused_adamw`: ``optax.adamw`` semantics (Loshchilov & Hutter 2019, "Decoupled Weight Decay
+  Regularization"), optionally preceded by ``optax.clip_by_global_norm`` (Pascanu et al. 2012), as
+  one ``optax.GradientTransformation``.
+* :func:`ema_update`: Polyak averaging of target weights.
+* :func:`cast_bf16`: float32 -> bfloat16, round to nearest even, bit-exact against
+  ``x.astype(jnp.bfloat16)`` on CPU.
+
+These are the pure-JAX references; the single-launch CUDA kernels over the flat buffer are planned
+(issue 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = [
+    "FlatParams", "flatten", "default_decay_mask", "FusedAdamWState", "fused_adamw", "ema_update",
+    "cast_bf16",
+]
+
+_FLOAT_PARAM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flat parameter buffer.
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static layout of a flattened pytree: hashable (usable as jit static data / pytree aux)."""
+
+    treedef: Any
+    shapes: tuple
+    dtypes: tuple
+
+    @property
+    def sizes(self):
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    def unravel(self, flat):
+        """[P] -> the pytree (each leaf sliced, reshaped and cast back to its own dtype)."""
+        if not hasattr(flat, "shape") or tuple(flat.shape) != (self.size,):
+            raise ValueError(f"flat must have shape [P]=[{self.size}], got {getattr(flat, 'shape', None)}")
+        leaves, offset = [], 0
+        for shape, dtype, n in zip(self.shapes, self.dtypes, self.sizes):
+            leaves.append(flat[offset:offset + n].reshape(shape).astype(dtype))
+            offset += n
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    __call__ = unravel
+
+
+def _layout_of(params, name="params") -> _Layout:
+    leaves, treedef = jax.tree.flatten(params)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dt = getattr(leaf, "dtype", None)
+        if dt is None or jnp.dtype(dt) not in [jnp.dtype(d) for d in _FLOAT_PARAM_DTYPES]:
+            raise TypeError(f"{name}{jax.tree_util.keystr(path)} must be a float32/bfloat16/float16 array, "
+                            f"got {dt if dt is not None else type(leaf).__name__}")
+    return _Layout(treedef, tuple(tuple(l.shape) for l in leaves), tuple(jnp.dtype(l.dtype) for l in leaves))
+
+
+def _ravel(layout, params):
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.concatenate([jnp.ravel(l).astype(jnp.float32) for l in leaves])
+
+
+def flatten(params):
+    """Ravels a parameter pytree into one flat float32 buffer.
+
+    Leaves are taken in ``jax.tree.leaves`` order, each row-major (the order of
+    ``jax.flatten_util.ravel_pytree``); bfloat16/float16 leaves are widened exactly.
+
+    Args:
+      params: a pytree of float32 (or bfloat16/float16) arrays.
+
+    Returns:
+      (flat [P] float32, unravel) where ``unravel(flat)`` rebuilds the pytree (original shapes and
+      dtypes). ``unravel`` is hashable and has ``.size`` (P).
+
+    Raises:
+      TypeError: a leaf is not a float32/bfloat16/float16 array (float64 would be narrowed).
+    """
+    layout = _layout_of(params)
+    return _ravel(layout, params), layout
+
+
+@jax.tree_util.register_pytree_node_class
+class FlatParams:
+    """Parameters held as one flat float32 buffer ``flat`` [P] with a pytree view ``tree``.
+
+    A pytree whose only leaf is ``flat`` (the layout is static aux data), so it can be passed
+    through ``jit``, given to :func:`fused_adamw` (the optimizer then works on the flat buffer, with
+    the elementwise decay mask of :func:`default_decay_mask`) and to :func:`ema_update`.
+    Differentiate through the view: ``jax.grad(lambda fp: loss(fp.tree))(fp)`` is a FlatParams of
+    the flat gradient.
+    """
+
+    def __init__(self, flat, layout: _Layout):
+        self.flat = flat
+        self.layout = layout
+
+    @classmethod
+    def from_tree(cls, params) -> "FlatParams":
+        flat, layout = flatten(params)
+        return cls(flat, layout)
+
+    @property
+    def tree(self):
+        """The pytree view (slices of ``flat``)."""
+        return self.layout.unravel(self.flat)
+
+    def tree_flatten(self):
+        return (self.flat,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children[0], layout)
+
+    def __repr__(self):
+        return f"FlatParams(P={self.layout.size}, flat={self.flat!r})"
+
+
+def default_decay_mask(params):
+    """The default weight-decay mask: decay leaves with ndim >= 2 (weight matrices), not biases,
+    LayerNorm scales/offsets or other vectors and scalars.
+
+    For a :class:`FlatParams` the rule is applied to the leaves of its view and the result is a
+    FlatParams whose ``flat`` is an elementwise bool mask [P]. Otherwise a pytree of Python bools.
+    """
+    if isinstance(params, FlatParams):
+        layout = params.layout
+        parts = [np.full(n, len(shape) >= 2) for shape, n in zip(layout.shapes, layout.sizes)]
+        flat = np.concatenate(parts) if parts else np.zeros((0,), bool)
+        return FlatParams(jnp.asarray(flat), layout)
+    return jax.tree.map(lambda p: len(np.shape(p)) >= 2, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# AdamW.
+class FusedAdamWState(NamedTuple):
+    """count [] int32 (steps taken); mu, nu: first and second moments, float32, like params."""
+
+    count: jax.Array
+    mu: Any
+    nu: Any
+
+
+def _check_float_hyper(name, value, lo, hi=None, lo_open=False, hi_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    v = float(value)
+    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (
+        hi is None or (v < hi if hi_open else v <= hi))
+    if not ok:
+        rng = ("(" if lo_open else "[") + f"{lo}, " + (f"{hi}" if hi is not None else "inf") + (
+            ")" if hi_open or hi is None else "]")
+        raise ValueError(f"{name} must be finite and in {rng}, got {value!r}")
+    return v
+
+
+def _check_f32_tree(name, tree, like=None):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dt = getattr(leaf, "dtype", None)
+        if dt is None or jnp.dtype(dt) != jnp.float32:
+            raise TypeError(f"{name}{jax.tree_util.keystr(path)} must be a float32 array, got "
+                            f"{dt if dt is not None else type(leaf).__name__}")
+    if like is not None:
+        s1, s2 = jax.tree.structure(tree), jax.tree.structure(like)
+        if s1 != s2:
+            raise ValueError(f"{name} must have the structure of params {s2}, got {s1}")
+        for path, a, b in zip([p for p, _ in jax.tree_util.tree_leaves_with_path(tree)],
+                              jax.tree.leaves(tree), jax.tree.leaves(like)):
+            if tuple(a.shape) != tuple(b.shape):
+                raise ValueError(f"{name}{jax.tree_util.keystr(path)} must have shape {tuple(b.shape)} "
+                                 f"like params, got {tuple(a.shape)}")
+
+
+def _full_mask(mask, updates, params):
+    """Mask (pytree/prefix of bools or bool arrays, or a callable of the updates, as optax.masked)
+    -> the structure of params with one bool or bool array per leaf."""
+    tree = mask(updates) if callable(mask) else mask
+    try:
+        per_leaf = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), tree, params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"mask must be a pytree with the structure of params (or a prefix of it): {e}") from None
+    out = []
+    for (path, m), p in zip(jax.tree_util.tree_leaves_with_path(per_leaf), jax.tree.leaves(params)):
+        if isinstance(m, (bool, np.bool_)):
+            out.append(bool(m))
+        elif hasattr(m, "dtype") and m.dtype == jnp.bool_ and tuple(m.shape) in ((), tuple(p.shape)):
+            out.append(m)
+        else:
+            raise ValueError(f"mask{jax.tree_util.keystr(path)} must be a bool or a bool array of shape "
+                             f"{tuple(p.shape)}, got {getattr(m, 'dtype', type(m).__name__)} "
+                             f"{getattr(m, 'shape', '')}")
+    return jax.tree.unflatten(jax.tree.structure(params), out)
+
+
+def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                weight_decay: float = 1e-4, mask=None, max_grad_norm: float | None = None
+                ) -> optax.GradientTransformation:
+    """AdamW with optional global-norm clipping, as one ``optax.GradientTransformation``.
+
+    Equals ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(learning_rate, b1,
+    b2, eps, weight_decay=weight_decay, mask=mask))`` (without the clip when max_grad_norm is None),
+    with the same operation order, so results agree to ~1 ulp. Per leaf, at step t = count + 1:
+
+        g  <- g                          if ||g|| < max_norm or ||g|| == 0
+              g / ||g|| * max_norm       otherwise          (||.|| = global L2 norm over all leaves)
+        m  <- (1 - b1) g + b1 m,    v <- (1 - b2) g^2 + b2 v
+        u  =  (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)  [+ weight_decay * theta where masked]
+        update = -lr(count) * u                  (apply with ``optax.apply_updates``)
+
+    The one difference from optax: ||g|| == max_norm == 0 (all-zero gradients with max_norm 0)
+    leaves g = 0 instead of computing 0/0 = NaN. NaN/Inf gradients propagate as in optax.
+
+    Args:
+      learning_rate: float, or an optax schedule count -> lr (called with the step count before
+        the increment, 0 at the first update, like ``optax.scale_by_learning_rate``).
+      b1, b2: moment decay rates in [0, 1).  eps: >= 0, added to sqrt(v_hat).
+      weight_decay: decoupled decay rate >= 0, multiplied by the learning rate.
+      mask: which parameters are decayed. None: :func:`default_decay_mask` (leaves with
+        ndim >= 2). Else a pytree with the structure of params (or a prefix of it) whose leaves
+        are bools or bool arrays of the leaf's shape (elementwise, e.g. for a flat buffer), or a
+        callable params -> such a pytree (called with the updates in ``update``, like optax).
+      max_grad_norm: None (no clipping) or the clipping threshold >= 0.
+
+    Returns:
+      ``optax.GradientTransformation``; ``init(params)`` gives a :class:`FusedAdamWState` (count
+      int32 0, mu and nu float32 zeros like params); ``update(grads, state, params)`` requires
+      params and float32 leaves everywhere.
+
+    Raises:
+      TypeError/ValueError (at construction): a hyperparameter of the wrong type or out of range.
+      TypeError/ValueError (in init/update): non-float32 leaves, mismatched structures or shapes,
+        params missing, a malformed mask.
+    """
+    if not callable(learning_rate):
+        _check_float_hyper("learning_rate", learning_rate, 0.0)
+    b1 = _check_float_hyper("b1", b1, 0.0, 1.0, hi_open=True)
+    b2 = _check_float_hyper("b2", b2, 0.0, 1.0, hi_open=True)
+    eps = _check_float_hyper("eps", eps, 0.0)
+    weight_decay = _check_float_hyper("weight_decay", weight_decay, 0.0)
+    if max_grad_norm is not None:
+        max_grad_norm = _check_float_hyper("max_grad_norm", max_grad_norm, 0.0)
+    mask_fn = default_decay_mask if mask is None else mask
+
+    def init_fn(params):
+        _check_f32_tree("params", params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return FusedAdamWState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("fused_adamw.update needs params (decoupled weight decay): "
+                             "call update(grads, state, params)")
+        _check_f32_tree("params", params)
+        _check_f32_tree("updates", updates, like=params)
+        if not isinstance(state, FusedAdamWState):
+            raise TypeError(f"state must be a FusedAdamWState (from init), got {type(state).__name__}")
+        g = updates
+        if max_grad_norm is not None:
+            # optax.clip_by_global_norm, plus the norm == 0 guard (0 / 0 * 0 would be NaN).
+            g_norm = optax.tree.norm(g)
+            keep = jnp.squeeze((g_norm < max_grad_norm) | (g_norm == 0))
+            g = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / g_norm.astype(t.dtype)) * max_grad_norm), g)
+        # optax.scale_by_adam (eps_root = 0, nesterov = False), same expressions and order.
+        mu = jax.tree.map(lambda t, m: (1 - b1) * (t ** 1) + b1 * m, g, state.mu)
+        nu = jax.tree.map(lambda t, v: (1 - b2) * (t ** 2) + b2 * v, g, state.nu)
+        count_inc = optax.safe_increment(state.count)
+        bc1 = 1 - b1 ** count_inc
+        bc2 = 1 - b2 ** count_inc
+        u = jax.tree.map(lambda m, v: (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype)) + eps), mu, nu)
+        # optax.add_decayed_weights under optax.masked.
+        if weight_decay != 0.0:
+            dmask = _full_mask(mask_fn, updates, params)
+            u = jax.tree.map(lambda x, p, m: (x + weight_decay * p) if m is True else
+                             (x if m is False else jnp.where(m, x + weight_decay * p, x)), u, params, dmask)
+        # optax.scale_by_learning_rate.
+        if callable(learning_rate):
+            step = -learning_rate(state.count)
+            u = jax.tree.map(lambda x: jnp.array(step, dtype=x.dtype) * x, u)
+        else:
+            step = -1 * learning_rate
+            u = jax.tree.map(lambda x: step * x, u)
+        return u, FusedAdamWState(count=count_inc, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------------------------
+# EMA.
+def ema_update(target, online, tau):
+    """Polyak averaging: theta' <- tau * theta + (1 - tau) * theta' per leaf (theta = online,
+    theta' = target), e.g. the target network of DQN.
+
+    tau = 1 returns the online values bitwise (including NaN payloads and -0.0); tau = 0 returns
+    the target values bitwise. Both hold for every input, finite or not, because they are selected
+    with ``jnp.where`` on tau (for a concrete Python tau of exactly 0 or 1 the leaves are returned
+    without computation). For 0 < tau < 1 the result is ``tau * online + (1 - tau) * target`` in the
+    leaf dtype (two products and a sum, each rounded; never ``target + tau * (online - target)``,
+    which breaks the tau = 0 identity for target = -0.0 and overflows for opposite-sign values near
+    the float max). NaN/Inf propagate there.
+
+    Args:
+      target: pytree of float arrays (theta').
+      online: pytree with the same structure, shapes and dtypes (theta).
+      tau: scalar in [0, 1] (a Python float or a 0-d array, may be traced; concrete values are
+        range-checked, traced ones are not).
+
+    Returns:
+      The new target pytree.
+
+    Raises:
+      TypeError: non-float leaves, or tau not a scalar number.
+      ValueError: structures, shapes or dtypes differ (the message names the leaf), concrete tau
+        outside [0, 1] or NaN.
+    """
+    s1, s2 = jax.tree.structure(target), jax.tree.structure(online)
+    if s1 != s2:
+        raise ValueError(f"online must have the structure of target {s1}, got {s2}")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(target), jax.tree.leaves(online)):
+        where = jax.tree_util.keystr(path)
+        for nm, x in (("target", a), ("online", b)):
+            if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+                raise TypeError(f"{nm}{where} must be a float array, got {getattr(x, 'dtype', type(x).__name__)}")
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise ValueError(f"online{where} must match target{where} {tuple(a.shape)} {a.dtype}, "
+                             f"got {tuple(b.shape)} {b.dtype}")
+    if isinstance(tau, bool) or not (isinstance(tau, (int, float, np.integer, np.floating)) or hasattr(tau, "dtype")):
+        raise TypeError(f"tau must be a float scalar, got {type(tau).__name__}")
+    if hasattr(tau, "shape") and tuple(tau.shape) != ():
+        raise ValueError(f"tau must be a scalar (shape []), got shape {tuple(tau.shape)}")
+    if not isinstance(tau, jax.core.Tracer):
+        t = float(np.asarray(tau))
+        if not 0.0 <= t <= 1.0:
+            raise ValueError(f"tau must be in [0, 1], got {t}")
+        if isinstance(tau, (int, float, np.integer, np.floating)):
+            if t == 0.0:
+                return jax.tree.map(jnp.asarray, target)
+            if t == 1.0:
+                return jax.tree.map(jnp.asarray, online)
+
+    def leaf(a, b):
+        tt = jnp.asarray(tau, a.dtype)
+        mixed = tt * b + (1 - tt) * a
+        return jnp.where(tt == 1, b, jnp.where(tt == 0, a, mixed))
+
+    return jax.tree.map(leaf, target, online)
+
+
+# ----------------------------------------------------------------------------------------------
+# float32 -> bfloat16.
+def cast_bf16(x):
+    """float32 -> bfloat16, round to nearest, ties to even, on the bit pattern.
+
+    With u the float32 bits: bf16 bits = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 for non-NaN x, which
+    rounds finite values (normal and subnormal: bfloat16 has float32's exponent range, so subnormals
+    stay subnormal, not flushed), keeps +-Inf and -0.0, and rounds values at or above
+    bf16_max + half an ulp to +-Inf. NaN -> sign | 0x7FC0 (a quiet NaN keeping the sign), which is
+    what XLA's CPU convert and ml_dtypes produce. Bit-exact against ``x.astype(jnp.bfloat16)`` on
+    CPU for every input; on GPU XLA's convert may return a different NaN payload (NaN stays NaN).
+
+    Args:
+      x: float32 array, any shape.
+
+    Returns:
+      bfloat16 array, same shape.
+
+    Raises:
+      TypeError: x is not a float32 array.
+    """
+    if not hasattr(x, "dtype") or jnp.dtype(x.dtype) != jnp.float32:
+        raise TypeError(f"x must be a float32 array, got {getattr(x, 'dtype', type(x).__name__)}")
+    u = jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.uint32)
+    rounded = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) >> 16
+    nan = (u & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
+    bits = jnp.where(nan, (u >> 16) & jnp.uint32(0x8000) | jnp.uint32(0x7FC0), rounded)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
