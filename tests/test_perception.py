@@ -108,13 +108,17 @@ def test_nn_cfc_errors_name_the_argument():
 
 
 # ---------------------------------------------------------------- perception v0
-def test_perception_v0_logits_match_numpy():
+@pytest.mark.parametrize("proj_size", [None, 3])
+def test_perception_v0_logits_match_numpy(proj_size):
     m_feat, d, H, B, T = 5, 3, 6, 4, 7
-    model = make_model(m_feat, hidden=H, embed_dim=d, backbone_units=8, rngs=nnx.Rngs(0))
+    model = make_model(m_feat, hidden=H, embed_dim=d, backbone_units=8, proj_size=proj_size, rngs=nnx.Rngs(0))
     x = np.random.default_rng(1).normal(size=(B, T, m_feat)).astype(np.float32)
     got = np.asarray(model(jnp.asarray(x)))
     ew, eb = np.asarray(model.embed_w[...], np.float64), np.asarray(model.embed_b[...], np.float64)
     z = (x.astype(np.float64)[..., None] * ew + eb).reshape(B, T, m_feat * d)  # variable-major flatten
+    if proj_size is not None:
+        z = z @ np.asarray(model.proj.kernel[...], np.float64) + np.asarray(model.proj.bias[...], np.float64)
+        assert z.shape == (B, T, proj_size)
     hs = _np_cfc_scan(_f64(model.cfc.params), z, 1.0, "default")
     want = hs[:, -1] @ np.asarray(model.head.kernel[...], np.float64)[:, 0] + float(model.head.bias[...][0])
     assert got.shape == (B,) and got.dtype == np.float32
@@ -193,8 +197,9 @@ def test_main_job_rejects_bad_arguments(tmp_path):
 
 # ---------------------------------------------------------------- the notebook
 def test_notebook_executes(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbclient  # the `test` extra installs both; a missing one must fail, not skip
+    import nbformat
+
     nb = nbformat.read(EXAMPLES / "perception.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
     monkeypatch.setenv("JAXFOX_NB_EPOCHS", "1")
