@@ -21,3 +21,12 @@ __all__ = [
     "branching_dueling_logits", "categorical_double_q_loss", "categorical_projection",
     "per", "optim", "FlatParams", "fused_adamw", "ema_update", "cast_bf16",
 ]
+
+
+def __getattr__(name):
+    """Lazy submodules: ``jaxfox.nn``, ``jaxfox.models``, ``jaxfox.data`` (flax/pandas load on first use)."""
+    if name in ("nn", "models", "data"):
+        import importlib
+
+        return importlib.import_module(f"jaxfox.{name}")
+    raise AttributeError(f"module 'jaxfox' has no attribute {name!r}")
