@@ -170,3 +170,27 @@ def central_diff_grad(f, x, eps=1e-6):
         flat[i] = old
         gf[i] = (fp - fm) / (2 * eps)
     return g
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU tests: run a script in a child process under given XLA_FLAGS (command buffers on/off).
+def run_child_npz(script, xla_flags, path):
+    """Runs ``python -c script path`` with ``XLA_FLAGS=xla_flags``; the script saves arrays to ``path``
+    (an .npz) and prints DONE. Returns {name: array}."""
+    import subprocess
+    import sys
+
+    import jaxfox
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = xla_flags
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the parent process already holds most of the GPU memory
+    env.pop("JAXFOX_DISABLE_KERNELS", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxfox.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, \
+        f"child with XLA_FLAGS={xla_flags!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}

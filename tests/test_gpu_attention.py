@@ -9,9 +9,6 @@ max|kernel - reference| / max|reference| per array.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,6 +19,7 @@ import pytest
 import jaxfox
 from jaxfox import attention_pool, attention_pool_init
 from jaxfox.reduce import reduce_chunks
+from conftest import run_child_npz
 
 pytestmark = pytest.mark.gpu
 
@@ -248,18 +246,7 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
 
 
 def _run_child(flags, path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = flags
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process already holds most of the GPU memory
-    env.pop("JAXFOX_DISABLE_KERNELS", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxfox.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-c", _CMDBUF_SCRIPT, str(path)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0 and "DONE" in proc.stdout, \
-        f"child with XLA_FLAGS={flags!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
+    return run_child_npz(_CMDBUF_SCRIPT, flags, path)
 
 
 def test_command_buffers_on_off_identical(tmp_path):

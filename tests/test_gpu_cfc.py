@@ -11,9 +11,6 @@ Both run under ``jax.default_matmul_precision("highest")`` (no TF32 in the refer
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -24,7 +21,7 @@ from jax.test_util import check_grads
 
 import jaxfox
 
-from conftest import np_cfc_scan, random_cfc_params, random_inputs, rel_err
+from conftest import np_cfc_scan, random_cfc_params, random_inputs, rel_err, run_child_npz
 
 if not jaxfox.kernels_available():
     pytest.skip(f"jaxfox CUDA kernels unavailable: {jaxfox.kernels_unavailable_reason()}",
@@ -260,18 +257,7 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
 
 
 def _run_child(flags, path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = flags
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process already holds most of the GPU memory
-    env.pop("JAXFOX_DISABLE_KERNELS", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxfox.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-c", _CMD_BUFFER_SCRIPT, str(path)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0 and "DONE" in proc.stdout, \
-        f"child with XLA_FLAGS={flags!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
+    return run_child_npz(_CMD_BUFFER_SCRIPT, flags, path)
 
 
 def test_command_buffers_on_and_off_identical(tmp_path):
