@@ -80,6 +80,16 @@ def _has_cuda_backend() -> bool:
         return False
 
 
+@functools.cache
+def cuda_compute_capability() -> tuple[int, int] | None:
+    """Lowest compute capability among the local CUDA devices (None without any)."""
+    try:
+        caps = [tuple(int(v) for v in str(d.compute_capability).split(".")[:2]) for d in jax.devices("cuda")]
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+    return min(caps) if caps else None
+
+
 def kernels_unavailable_reason() -> str | None:
     """Why the CUDA kernels are not used on this machine right now, or None when they are."""
     if os.environ.get("JAXFOX_DISABLE_KERNELS", "0") not in ("", "0"):

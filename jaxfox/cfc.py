@@ -28,13 +28,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch
+from jaxfox._ffi import cuda_compute_capability, dispatch
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
 
 MODES = ("default", "no_gate", "pure")
 _MAX_KERNEL_LAYERS = 4  # backbone depth the CUDA kernel handles; deeper backbones use the reference
+_MAX_KERNEL_HIDDEN = 8 * 256  # clusters of at most 8 CTAs x 256 threads, one hidden unit per thread
+
+
+def _kernel_hidden_limit():
+    """Largest H the kernels take: 2048 with thread-block clusters (sm_90+), 256 before."""
+    cc = cuda_compute_capability()
+    return _MAX_KERNEL_HIDDEN if cc is None or cc >= (9, 0) else 256
 
 
 def lecun_tanh(x):
@@ -283,7 +290,8 @@ def _scan_dispatch(cfg, params, xs, ts, h0):
     def kernel(params, xs, ts, h0):
         return _scan_kernel(cfg, _flatten(params), xs, ts, h0)
 
-    if cfg.layers > _MAX_KERNEL_LAYERS or xs.shape[0] == 0 or xs.shape[1] == 0:
+    if (cfg.layers > _MAX_KERNEL_LAYERS or cfg.hidden_size > _kernel_hidden_limit()
+            or xs.shape[0] == 0 or xs.shape[1] == 0):
         return reference(params, xs, ts, h0)
     return dispatch(kernel, reference, params, xs, ts, h0)
 
@@ -322,7 +330,9 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
       hs [B, T, H] float32, the state after each step.
 
     Differentiable in params, xs, ts and h0 (``jax.custom_vjp`` over the forward and backward
-    kernels on CUDA; autodiff of a ``lax.scan`` reference elsewhere).
+    kernels on CUDA; autodiff of a ``lax.scan`` reference elsewhere). The kernels take up to 4
+    backbone layers and H <= 2048 (H <= 256 on GPUs older than sm_90, which lack thread-block
+    clusters); other sizes run the reference on every platform.
 
     Raises:
       TypeError: an argument has the wrong dtype (float32 expected).
