@@ -23,6 +23,7 @@ import jax
 
 __all__ = ["kernels_available", "kernels_unavailable_reason", "use_reference", "dispatch"]
 
+
 def _make_reference_state():
     """A thread-local JAX config state included in the jit key and trace context.
 
