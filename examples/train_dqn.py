@@ -1,0 +1,257 @@
+"""Branching C51 double DQN with prioritized replay on the real daily trading environment (issue 4).
+
+Environment: :class:`jaxfox.envs.Trading` (S&P 500, NASDAQ, WTI: the three daily series ``arch`` ships; one
+action branch per instrument, positions -1/-0.5/0/0.5/1, 5 bps costs, 48-dim observation; train span
+2000-2012, test span 2016-2018). Agent: :class:`jaxfox.models.branching_c51.BranchingC51` (D = 3, A = 5,
+N = 51, support linspace(-25, 25, 51) on rewards in percent), double-DQN categorical loss
+(:func:`jaxfox.categorical_double_q_loss`), prioritized replay (:mod:`jaxfox.per`, alpha 0.5, beta annealed
+0.4 -> 1), EMA target (:func:`jaxfox.ema_update`), :func:`jaxfox.fused_adamw`, batch 1024, bfloat16 forward
+weights (:func:`jaxfox.cast_bf16`) over float32 master weights.
+
+One training iteration = one step of ``--num-envs`` vmapped environments (epsilon-greedy per branch, the
+transitions go into the replay buffer) + one update step (PER sample, forward online/target, loss with IS
+weights, grad, AdamW, EMA, priority update: one jitted function, :func:`jaxfox.models.branching_c51.make_update`).
+``--chunk`` iterations run inside one ``jax.jit`` (``lax.scan``). Episodes end by a time limit (252 days), so
+the discount is gamma for every transition (no terminal states: bootstrapping through a time-limit is correct).
+
+    python examples/train_dqn.py                      # default: 4000 updates, ~250 s on a 2-core CPU
+    python examples/train_dqn.py --steps 20 --num-envs 8 --batch-size 64 --capacity 4096 \\
+        --learning-starts 256 --chunk 10 --out /tmp/dqn   # smoke test
+
+Reports the greedy policy's return over the whole test span (sum of daily rewards, log-return units, costs
+included) next to buy-and-hold (+1 in every instrument, the agent's maximum long action), equal-weight
+buy-and-hold (1/3 in each) and flat (0); saves ``equity.png``, ``loss.png`` and ``metrics.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=4000, help="update steps (one env step of all envs each)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/dqn", help="folder for equity.png, loss.png, metrics.json")
+    p.add_argument("--num-envs", type=int, default=64, help="parallel (vmapped) environments")
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--capacity", type=int, default=2 ** 17, help="replay capacity (transitions)")
+    p.add_argument("--learning-starts", type=int, default=8192, help="random transitions before updates")
+    p.add_argument("--chunk", type=int, default=50, help="iterations per jitted scan (progress granularity)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--max-grad-norm", type=float, default=10.0)
+    p.add_argument("--gamma", type=float, default=0.9)
+    p.add_argument("--tau", type=float, default=0.005, help="EMA weight of the online params per update")
+    p.add_argument("--alpha", type=float, default=0.5, help="PER priority exponent")
+    p.add_argument("--beta0", type=float, default=0.4, help="PER IS exponent at step 0 (annealed to 1)")
+    p.add_argument("--v-max", type=float, default=25.0, help="support [-v_max, v_max] (reward units: percent)")
+    p.add_argument("--reward-scale", type=float, default=100.0, help="reward multiplier (100: percent)")
+    p.add_argument("--eps-start", type=float, default=1.0)
+    p.add_argument("--eps-end", type=float, default=0.05)
+    p.add_argument("--eps-frac", type=float, default=0.5, help="fraction of --steps over which epsilon decays")
+    p.add_argument("--episode-len", type=int, default=252)
+    p.add_argument("--cost-bps", type=float, default=5.0)
+    p.add_argument("--no-bf16", action="store_true", help="float32 forward (default: bfloat16 weights)")
+    args = p.parse_args(argv)
+    for name in ("steps", "num_envs", "batch_size", "capacity", "chunk", "episode_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.learning_starts < args.batch_size:
+        p.error(f"--learning-starts must be >= --batch-size ({args.batch_size}), got {args.learning_starts}")
+    if args.capacity < args.learning_starts:
+        p.error(f"--capacity must be >= --learning-starts ({args.learning_starts}), got {args.capacity}")
+    if not 0 <= args.gamma < 1:
+        p.error(f"--gamma must be in [0, 1), got {args.gamma}")
+    for name in ("tau", "eps_start", "eps_end", "eps_frac"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    return args
+
+
+def _stats(rewards):
+    r = np.asarray(rewards, np.float64)
+    sd = r.std()
+    return {"total_log_return": float(r.sum()),
+            "sharpe_annualised": float(np.sqrt(252) * r.mean() / sd) if sd > 0 else 0.0}
+
+
+def save_plots(out, dates, curves, loss_hist):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, r in curves.items():
+        ax.plot(dates, np.cumsum(r), label=f"{name} ({np.sum(r):+.3f})")
+    ax.set(title="test span 2016-2018: cumulative reward (sum of daily position-weighted log returns - costs)",
+           ylabel="cumulative log return")
+    ax.legend(fontsize=8)
+    fig.autofmt_xdate()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "equity.png"), dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if loss_hist["step"]:
+        ax.plot(loss_hist["step"], loss_hist["loss"], label="IS-weighted loss (chunk mean)")
+        ax.plot(loss_hist["step"], loss_hist["loss_unweighted"], label="unweighted loss (chunk mean)")
+    ax.set(xlabel="update step", ylabel="cross-entropy (nats)", title="categorical double-Q loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss.png"), dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    """Trains and evaluates; returns the metrics dict also written to ``<out>/metrics.json``."""
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    from jaxfox import per
+    from jaxfox.envs import Trading
+    from jaxfox.models.branching_c51 import (Transition, epsilon_greedy, greedy_actions, init_agent, make_update,
+                                             support)
+
+    t_start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    env = Trading(episode_len=args.episode_len, cost_bps=args.cost_bps)
+    tr, te = env.train, env.test
+    key = jax.random.key(args.seed)
+    key, k_init = jax.random.split(key)
+    agent, opt, dan = init_agent(k_init, obs_dim=env.obs_dim, num_branches=env.num_branches,
+                                 num_actions=env.num_actions, capacity=args.capacity, lr=args.lr,
+                                 weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
+    z = support(dan[2], args.v_max)
+    bf16 = not args.no_bf16
+    update = make_update(opt, dan, z, batch_size=args.batch_size, alpha=args.alpha, tau=args.tau, bf16=bf16)
+    beta_at = per.beta_schedule(args.steps, args.beta0, 1.0)
+    decay_steps = max(1, int(args.eps_frac * args.steps))
+    n_params = int(agent.online.flat.shape[0])
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; BranchingC51 D={dan[0]} A={dan[1]} N={dan[2]}, "
+          f"{n_params} params; train rows {env.train_rows}, test rows {env.test_rows}; "
+          f"{args.num_envs} envs, batch {args.batch_size}, {args.steps} updates, bf16 forward {bf16}")
+
+    reset_v = jax.vmap(env.reset, in_axes=(0, None))
+    step_v = jax.vmap(env.step, in_axes=(0, 0, None))
+
+    def env_step(agent_online, env_state, obs, key, eps):
+        k_act, k_reset = jax.random.split(key)
+        act = epsilon_greedy(k_act, agent_online, obs, dan, z, eps, bf16=bf16)
+        s2, o2, r, done = step_v(env_state, act, tr)
+        trans = Transition(obs, act, r * args.reward_scale, jnp.full_like(r, args.gamma), o2)
+        rs, ro = reset_v(jax.random.split(k_reset, args.num_envs), tr)
+        s2 = jax.tree.map(lambda a, b: jnp.where(done.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), rs, s2)
+        o2 = jnp.where(done[:, None], ro, o2)
+        return s2, o2, trans, r
+
+    @jax.jit
+    def warmup(agent, env_state, obs, key):
+        def body(c, k):
+            agent, s, o = c
+            s, o, trans, _ = env_step(agent.online, s, o, k, 1.0)
+            return (agent._replace(buffer=per.add(agent.buffer, trans)), s, o), None
+        n = -(-args.learning_starts // args.num_envs)
+        (agent, s, o), _ = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, n))
+        return agent, s, o
+
+    @jax.jit
+    def train_chunk(agent, env_state, obs, key):
+        def body(c, k):
+            agent, s, o = c
+            step = agent.step
+            frac = jnp.minimum(step.astype(jnp.float32) / decay_steps, 1.0)
+            eps = args.eps_start + (args.eps_end - args.eps_start) * frac
+            k_env, k_up = jax.random.split(k)
+            s, o, trans, r = env_step(agent.online, s, o, k_env, eps)
+            agent = agent._replace(buffer=per.add(agent.buffer, trans))
+            agent, info = update(agent, k_up, beta_at(step))
+            return (agent, s, o), (info["loss"], info["loss_unweighted"], jnp.mean(r))
+        (agent, s, o), out = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, args.chunk))
+        return agent, s, o, out
+
+    def evaluate(online, params, rows, const_action):
+        start, end = rows
+        s, o = env.reset_to(start, params)
+
+        @jax.jit
+        def go(online, s, o, ca):
+            def body(c, _):
+                s, o = c
+                greedy = greedy_actions(online, o[None], dan, z, bf16=bf16)[0]
+                a = jnp.where(ca >= 0, ca, greedy)
+                s, o, r, _ = env.step(s, a, params)
+                return (s, o), (r, a)
+            _, (r, a) = jax.lax.scan(body, (s, o), None, length=end - start)
+            return r, a
+        r, a = go(online, s, o, jnp.asarray(const_action, jnp.int32))
+        return np.asarray(r, np.float64), np.asarray(a)
+
+    key, k_reset, k_warm = jax.random.split(key, 3)
+    env_state, obs = reset_v(jax.random.split(k_reset, args.num_envs), tr)
+    agent, env_state, obs = warmup(agent, env_state, obs, k_warm)
+    loss_hist = {"step": [], "loss": [], "loss_unweighted": [], "collect_reward": []}
+    n_chunks = -(-args.steps // args.chunk)
+    t_train = time.perf_counter()
+    bar = tqdm(range(n_chunks), desc="dqn", file=sys.stderr)
+    for _ in bar:
+        key, k = jax.random.split(key)
+        agent, env_state, obs, (lw, lu, rr) = train_chunk(agent, env_state, obs, k)
+        lw, lu, rr = (float(np.mean(np.asarray(v))) for v in (lw, lu, rr))
+        loss_hist["step"].append(int(agent.step))
+        loss_hist["loss"].append(lw)
+        loss_hist["loss_unweighted"].append(lu)
+        loss_hist["collect_reward"].append(rr)
+        bar.set_postfix(loss=f"{lw:.3f}", r=f"{rr * 1e4:+.1f}bp")
+    train_s = time.perf_counter() - t_train
+
+    D = env.num_branches
+    greedy, flat_a, long_a = -np.ones(D, np.int32), np.full(D, 2, np.int32), np.full(D, 4, np.int32)
+    r_agent, acts = evaluate(agent.online, te, env.test_rows, greedy)
+    r_bh, _ = evaluate(agent.online, te, env.test_rows, long_a)
+    r_flat, _ = evaluate(agent.online, te, env.test_rows, flat_a)
+    t0, t1 = env.test_rows
+    nr = env.next_returns_np[t0:t1]
+    r_ew = nr.mean(axis=1)
+    r_ew[0] -= args.cost_bps * 1e-4 * 1.0  # entering 1/3 in each of 3 instruments: |change| sums to 1
+    r_train, _ = evaluate(agent.online, tr, (0, env.train_rows[1]), greedy)
+    dates = env.dates[t0 + 1:t1 + 1]  # reward of row t is realised at the close of t + 1
+    curves = {"agent (greedy)": r_agent, "buy & hold (+1 each)": r_bh, "equal weight (1/3 each)": r_ew,
+              "flat (0)": r_flat}
+    save_plots(args.out, dates, curves, loss_hist)
+    levels = np.asarray(env.train.levels)
+    metrics = {
+        "test_span": [str(env.dates[t0])[:10], str(env.dates[t1])[:10]], "test_days": int(t1 - t0),
+        "test": {"agent": _stats(r_agent), "buy_and_hold": _stats(r_bh), "equal_weight": _stats(r_ew),
+                 "flat": _stats(r_flat)},
+        "train_span_greedy": _stats(r_train),
+        "test_mean_position": {inst: float(levels[acts[:, i]].mean()) for i, inst in
+                               enumerate(("sp500", "nasdaq", "wti"))},
+        "test_turnover_per_day": float(np.abs(np.diff(np.concatenate([np.zeros((1, D)), levels[acts]]), axis=0))
+                                       .sum(1).mean()),
+        "final_loss": loss_hist["loss"][-1] if loss_hist["loss"] else None,
+        "updates": int(agent.step), "transitions": int(agent.buffer.size),
+        "train_seconds": train_s, "wall_seconds": time.perf_counter() - t_start,
+        "args": vars(args), "params": n_params,
+    }
+    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    tst = metrics["test"]
+    print(f"test {metrics['test_span'][0]}..{metrics['test_span'][1]} ({metrics['test_days']} days), total log "
+          f"return: agent {tst['agent']['total_log_return']:+.4f}, buy&hold {tst['buy_and_hold']['total_log_return']:+.4f}"
+          f", equal weight {tst['equal_weight']['total_log_return']:+.4f}, flat {tst['flat']['total_log_return']:+.4f}"
+          f"; wall {metrics['wall_seconds']:.0f}s -> {args.out}")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
