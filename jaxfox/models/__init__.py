@@ -1,5 +1,6 @@
-"""Models built from jaxfox ops: perception v0 (embedding -> CfC -> head); the full model comes later."""
+"""Models built from jaxfox ops: perception v0 (embedding -> CfC -> head) and the branching C51 DQN."""
 
+from jaxfox.models.branching_c51 import BranchingC51
 from jaxfox.models.perception_v0 import (
     DEFAULTS,
     PerceptionV0,
@@ -13,6 +14,7 @@ from jaxfox.models.perception_v0 import (
 )
 
 __all__ = [
+    "BranchingC51",
     "DEFAULTS", "PerceptionV0", "benchmark_step", "evaluate", "loss_fn", "make_model", "make_optimizer",
     "predict_logits", "train_step",
 ]
