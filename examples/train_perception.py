@@ -1,17 +1,22 @@
-"""The main job: train perception model v0 on real market data and compare it with single-feature baselines.
+"""The main job: train the perception model on real market data and compare it with single-feature baselines.
 
-Model: per-variable embedding -> CfC (jaxfox.cfc_scan: CUDA kernels on a GPU, the pure-JAX reference on
-CPU) -> last state -> logit (:mod:`jaxfox.models.perception_v0`). Data: :func:`jaxfox.data.market.make_windows`
+Models (``--model``): ``v0`` (default for now): per-variable embedding -> CfC (jaxfox.cfc_scan: CUDA kernels
+on a GPU, the pure-JAX reference on CPU) -> last state -> logit (:mod:`jaxfox.models.perception_v0`);
+``full``: per-variable embedding -> VSN at every step -> CfC -> attention pooling over time -> GRN head ->
+logit (:mod:`jaxfox.models.perception`), which also reports the VSN's mean variable weights (printed, top 10,
+and drawn for all variables in ``vsn_weights.png``). Data: :func:`jaxfox.data.market.make_windows`
 (S&P 500, NASDAQ, WTI features 1999-2018; train <= 2012, validation 2013-2015, test 2016-2018).
 Target: is the next day's absolute S&P 500 log return above its trailing 252-day median?
 
     python examples/train_perception.py                    # defaults: the README's main job
     python examples/train_perception.py --epochs 1 --max-train-windows 256 --out /tmp/quick
+    python examples/train_perception.py --model full --epochs 3   # the full model (TFT blocks)
 
 Prints per-epoch train loss, validation loss and AUC; keeps the parameters of the best validation AUC;
 reports the test AUC of those next to the trailing-|return| and trailing-VIX baselines (test span); saves
-``curves.png`` and ``metrics.json`` into ``--out``. Defaults were chosen on validation AUC only (mean over
-6 seeds of the best-epoch validation AUC; the test span was not used to choose anything).
+``curves.png`` and ``metrics.json`` (and ``vsn_weights.png`` for ``full``) into ``--out``. v0 defaults were
+chosen on validation AUC only (mean over 6 seeds of the best-epoch validation AUC; the test span was not used
+to choose anything).
 """
 
 from __future__ import annotations
@@ -29,14 +34,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from jaxfox.models import DEFAULTS as D  # model/optimizer defaults, shared with jaxfox.bench
+    from jaxfox.models.perception import FULL_DEFAULTS as F
 
+    p.add_argument("--model", choices=("v0", "full"), default="v0",
+                   help="v0: embedding -> CfC -> last state; "
+                        "full: embedding -> VSN -> CfC -> attention pool -> GRN head")
     p.add_argument("--epochs", type=int, default=15, help="passes over the training windows")
     p.add_argument("--batch-size", type=int, default=32, help="windows per AdamW step")
     p.add_argument("--window", type=int, default=64, help="T, trading days per window")
     p.add_argument("--hidden", type=int, default=D["hidden"], help="H, CfC state size")
-    p.add_argument("--embed-dim", type=int, default=D["embed_dim"],
-                   help="d, embedding width per variable (CfC input m*d)")
+    p.add_argument("--embed-dim", type=int, default=None,
+                   help=f"d, embedding width per variable (v0: CfC input m*d); default {D['embed_dim']} (v0), "
+                        f"{F['embed_dim']} (full)")
     p.add_argument("--backbone-units", type=int, default=D["backbone_units"], help="U, CfC backbone width")
+    p.add_argument("--vsn-hidden", type=int, default=F["vsn_hidden"], help="full: hidden width of the VSN's GRNs")
+    p.add_argument("--vsn-out", type=int, default=F["vsn_out"], help="full: VSN output width (CfC input)")
+    p.add_argument("--heads", type=int, default=F["num_heads"], help="full: attention-pooling heads (divide H)")
     p.add_argument("--lr", type=float, default=D["lr"], help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=D["weight_decay"], help="AdamW decoupled weight decay")
     p.add_argument("--input-noise", type=float, default=0.6,
@@ -47,12 +60,17 @@ def parse_args(argv=None):
     p.add_argument("--max-train-windows", type=int, default=None,
                    help="use only the most recent N training windows (quick runs)")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "window", "hidden", "embed_dim", "backbone_units"):
+    if args.embed_dim is None:
+        args.embed_dim = D["embed_dim"] if args.model == "v0" else F["embed_dim"]
+    for name in ("epochs", "batch_size", "window", "hidden", "embed_dim", "backbone_units", "vsn_hidden", "vsn_out",
+                 "heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("lr", "weight_decay", "input_noise"):
         if not getattr(args, name) >= 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.model == "full" and args.hidden % args.heads:
+        p.error(f"--heads ({args.heads}) must divide --hidden ({args.hidden})")
     if args.max_train_windows is not None and args.max_train_windows < args.batch_size:
         p.error(f"--max-train-windows must be >= --batch-size ({args.batch_size}), got {args.max_train_windows}")
     return args
@@ -85,6 +103,25 @@ def save_curves(path, history, baselines_val):
     plt.close(fig)
 
 
+def save_weights(path, names, weights, title):
+    """Horizontal bar chart of the VSN's mean variable weights (all variables, largest on top)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = np.argsort(weights)  # ascending: barh draws the first at the bottom
+    fig, ax = plt.subplots(figsize=(7, max(3.0, 0.22 * len(names) + 1.0)))
+    ax.barh(np.arange(len(order)), np.asarray(weights)[order], color="tab:blue")
+    ax.set_yticks(np.arange(len(order)), [names[i] for i in order], fontsize=7)
+    ax.axvline(1.0 / len(names), color="gray", linestyle="--", label=f"uniform 1/m = {1.0 / len(names):.4f}")
+    ax.set(xlabel="mean VSN weight", title=title)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     """Runs the job; returns the metrics dict that is also written to ``<out>/metrics.json``."""
     args = parse_args(argv)
@@ -96,6 +133,14 @@ def main(argv=None) -> dict:
     import jaxfox
     from jaxfox.data.market import make_windows
     from jaxfox.models import evaluate, make_model, make_optimizer, train_step
+
+    if args.model == "full":
+        from jaxfox.models import perception as full
+
+        def evaluate(model, x, y):  # noqa: F811 - (loss, AUC) as v0's; the weights are read after training
+            return full.evaluate(model, x, y)[:2]
+
+        train_step = full.train_step  # noqa: F811
 
     os.makedirs(args.out, exist_ok=True)
     kernels = jaxfox.kernels_available()
@@ -114,11 +159,19 @@ def main(argv=None) -> dict:
           f"{data.y_val.mean():.3f}/{data.y_test.mean():.3f}; loaded in {time.perf_counter() - t0:.1f}s")
 
     rngs = nnx.Rngs(args.seed)
-    model = make_model(m, hidden=args.hidden, embed_dim=args.embed_dim, backbone_units=args.backbone_units,
-                       rngs=rngs)
+    if args.model == "full":
+        model = full.make_model(m, embed_dim=args.embed_dim, vsn_hidden=args.vsn_hidden, vsn_out=args.vsn_out,
+                                hidden=args.hidden, backbone_units=args.backbone_units, num_heads=args.heads,
+                                rngs=rngs)
+        desc = (f"Perception m={m} d={args.embed_dim} VSN hidden/out {args.vsn_hidden}/{args.vsn_out} "
+                f"H={args.hidden} U={args.backbone_units} heads={args.heads}")
+    else:
+        model = make_model(m, hidden=args.hidden, embed_dim=args.embed_dim, backbone_units=args.backbone_units,
+                           rngs=rngs)
+        desc = f"PerceptionV0 m={m} d={args.embed_dim} H={args.hidden} U={args.backbone_units}"
     optimizer = make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"model: PerceptionV0 m={m} d={args.embed_dim} H={args.hidden} U={args.backbone_units}, "
+    print(f"model: {desc}, "
           f"{n_params} parameters; AdamW lr={args.lr} wd={args.weight_decay}, batch {args.batch_size}, "
           f"input noise {args.input_noise}")
 
@@ -158,7 +211,11 @@ def main(argv=None) -> dict:
               f"({t_eval - t_ep:.1f}s train + {t_end - t_eval:.1f}s eval){mark}", flush=True)
 
     nnx.update(model, best["params"])
-    test_loss, test_auc = evaluate(model, data.x_test, data.y_test)
+    if args.model == "full":
+        test_loss, test_auc, w_test = full.evaluate(model, data.x_test, data.y_test)
+        w_val = full.evaluate(model, data.x_val, data.y_val)[2]
+    else:
+        test_loss, test_auc = evaluate(model, data.x_test, data.y_test)
     base_test = {k: v[1] for k, v in data.baselines.items()}
     base_val = {k: v[0] for k, v in data.baselines.items()}
     beats = bool(all(test_auc > v for v in base_test.values()))
@@ -170,6 +227,12 @@ def main(argv=None) -> dict:
     print(f"epoch wall times (s, training part; epoch 1 includes compilation): "
           + ", ".join(f"{s:.1f}" for s in history["epoch_s"]))
     print(f"CfC kernels used: {kernels}" + ("" if kernels else f" ({reason})"))
+    if args.model == "full":
+        names = list(data.feature_names)
+        print(f"\nVSN mean variable weights (best epoch, test windows, mean over windows and days; uniform "
+              f"1/m = {1.0 / m:.4f}), top 10:")
+        for i in np.argsort(-w_test)[:10]:
+            print(f"  {names[i]:28s} {w_test[i]:.4f}  (validation {w_val[i]:.4f})")
 
     metrics = {
         "args": vars(args), "n_params": n_params, "platform": jax.devices()[0].platform,
@@ -180,10 +243,16 @@ def main(argv=None) -> dict:
         "baselines_test": base_test, "baselines_val": base_val, "beats_baselines": beats,
         "total_s": time.perf_counter() - t0,
     }
+    if args.model == "full":
+        metrics["vsn_weights_test"] = {k: float(v) for k, v in zip(names, w_test)}
+        metrics["vsn_weights_val"] = {k: float(v) for k, v in zip(names, w_val)}
+        save_weights(os.path.join(args.out, "vsn_weights.png"), names, w_test,
+                     f"VSN mean variable weights (test windows, best epoch {best['epoch']})")
     save_curves(os.path.join(args.out, "curves.png"), history, base_val)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
-    print(f"saved {args.out}/curves.png and {args.out}/metrics.json")
+    print(f"saved {args.out}/curves.png" + (f", {args.out}/vsn_weights.png" if args.model == "full" else "")
+          + f" and {args.out}/metrics.json")
     return metrics
 
 

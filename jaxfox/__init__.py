@@ -9,7 +9,9 @@ from jaxfox.c51 import branching_dueling_logits, categorical_double_q_loss, cate
 from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
 from jaxfox import optim, per
 from jaxfox.optim import FlatParams, cast_bf16, ema_update, fused_adamw
+from jaxfox.grn import grn, grn_init
 from jaxfox.reduce import reduce_axis0
+from jaxfox.vsn import vsn, vsn_init
 
 __version__ = "0.1.0"
 
@@ -20,6 +22,7 @@ __all__ = [
     "attention_pool_init", "attention_pool",
     "branching_dueling_logits", "categorical_double_q_loss", "categorical_projection",
     "per", "optim", "FlatParams", "fused_adamw", "ema_update", "cast_bf16",
+    "grn_init", "grn", "vsn_init", "vsn",
 ]
 
 

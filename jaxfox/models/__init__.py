@@ -1,6 +1,8 @@
-"""Models built from jaxfox ops: perception v0 (embedding -> CfC -> head) and the branching C51 DQN."""
+"""Models built from jaxfox ops: perception v0 (embedding -> CfC -> head), the full Perception model
+(VSN -> CfC -> attention pool -> GRN head) and the branching C51 DQN."""
 
 from jaxfox.models.branching_c51 import BranchingC51
+from jaxfox.models.perception import FULL_DEFAULTS, Perception
 from jaxfox.models.perception_v0 import (
     DEFAULTS,
     PerceptionV0,
@@ -14,7 +16,7 @@ from jaxfox.models.perception_v0 import (
 )
 
 __all__ = [
-    "BranchingC51",
+    "BranchingC51", "Perception", "FULL_DEFAULTS",
     "DEFAULTS", "PerceptionV0", "benchmark_step", "evaluate", "loss_fn", "make_model", "make_optimizer",
     "predict_logits", "train_step",
 ]

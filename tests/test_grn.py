@@ -1,0 +1,651 @@
+"""CPU tests of jaxfox.grn (grn_init, grn).
+
+Oracle: ``np_grn`` below, float64 NumPy written from OPS.md "GRN, GLU, VSN" (TFT eqs. 2-5: ELU,
+bias-free context weight, GLU, Dense skip when widths differ, LayerNorm with the textbook mean and
+biased variance); it shares no code with the library. Gradients are checked against float64
+central differences of it.
+
+The kernel path cannot run here, but its host side can: ``kernel_path`` replaces
+``jax.ffi.ffi_call`` by ``jax.pure_callback`` into ``emu_grn_fwd`` / ``emu_grn_bwd``, a float64
+NumPy transcription of what ffi/grn.cu computes, reading the flat parameter vector through the
+layout documented in jaxfox/grn.py (padded [K4, N4] matrices, transposed copy for the backward).
+That checks the custom_vjp wiring (operand and result order, attrs, workspace sizes, the flat and
+transposed layouts, vmap through broadcast_all, dtypes). The CUDA code itself is tested in
+test_gpu_grn_vsn.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from conftest import central_diff_grad, rel_err
+import jaxfox
+from jaxfox import grn, grn_init
+
+grn_mod = importlib.import_module("jaxfox.grn")  # the module (jaxfox.grn is the function)
+
+
+# ----------------------------------------------------------------------------------------------
+# Float64 oracle.
+def np_elu(x):
+    return np.where(x > 0, x, np.expm1(np.minimum(x, 0.0)))
+
+
+def np_sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # 1 / (1 + exp(-x)) without overflow
+
+
+def np_layer_norm(x, gamma, beta, eps):
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * gamma + beta
+
+
+def f64(p):
+    return {k: np.asarray(v, np.float64) for k, v in p.items()}
+
+
+def np_grn(p, a, c=None, eps=1e-5):
+    """GRN(a, c) in float64; p: grn_init-style dict (any array type); a [..., I], c [..., C]."""
+    p = f64(p)
+    a = np.asarray(a, np.float64)
+    h = a @ p["w2"] + p["b2"]
+    if c is not None:
+        h = h + np.asarray(c, np.float64) @ p["w3"]
+    eta1 = np_elu(h) @ p["w1"] + p["b1"]
+    glu = (eta1 @ p["w4"] + p["b4"]) * np_sigmoid(eta1 @ p["w5"] + p["b5"])
+    skip = a @ p["skip_w"] + p["skip_b"] if "skip_w" in p else a
+    return np_layer_norm(skip + glu, p["gamma"], p["beta"], eps)
+
+
+def random_grn_params(I, H, O, C=None, seed=0, scale=0.3):
+    """grn_init plus a perturbation of every leaf (nonzero biases, gamma != 1, beta != 0)."""
+    p = grn_init(jax.random.key(seed), I, H, O, context_size=C)
+    rng = np.random.default_rng(seed + 1000)
+    return {k: v + jnp.asarray(scale * rng.standard_normal(v.shape), jnp.float32) for k, v in p.items()}
+
+
+def fd_grads(f, tree, eps=1e-6):
+    """Float64 central differences of scalar f(tree) w.r.t. every leaf of a dict/tuple of arrays."""
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [np.asarray(x, np.float64) for x in leaves]
+    sizes = [x.size for x in leaves]
+    x0 = np.concatenate([x.ravel() for x in leaves])
+
+    def unflat(x):
+        out, o = [], 0
+        for leaf, s in zip(leaves, sizes):
+            out.append(x[o:o + s].reshape(leaf.shape))
+            o += s
+        return jax.tree.unflatten(treedef, out)
+
+    g = central_diff_grad(lambda x: f(unflat(x)), x0, eps)
+    return unflat(g)
+
+
+def assert_f32_close(got, want, tol=1e-5):
+    got = np.asarray(got)
+    assert got.dtype == np.float32, got.dtype
+    assert got.shape == np.shape(want), (got.shape, np.shape(want))
+    assert np.isfinite(got).all()
+    err = rel_err(got, want)
+    assert err <= tol, err
+
+
+def assert_tree_close(got, want, tol):
+    assert set(got) == set(want), (set(got), set(want))
+    for k in want:
+        err = rel_err(got[k], want[k])
+        assert err <= tol, (k, err)
+
+
+CONFIGS = [  # (I, H, O, C, lead)
+    (5, 7, 3, None, (4,)),        # dense skip, no context
+    (6, 8, 6, 4, (2, 3)),         # identity skip, context
+    (4, 3, 9, 2, (3,)),           # O > I, context
+    (1, 1, 1, None, (5,)),        # all widths 1 (identity skip, LayerNorm over one value)
+    (3, 5, 2, None, ()),          # no leading dims
+]
+
+
+def _inputs(I, C, lead, seed=0):
+    rng = np.random.default_rng(seed + 2000)
+    a = rng.standard_normal(lead + (I,)).astype(np.float32)
+    c = None if C is None else rng.standard_normal(lead + (C,)).astype(np.float32)
+    return a, c
+
+
+def _call(p, a, c, eps=1e-5):
+    return grn(p, jnp.asarray(a), None if c is None else jnp.asarray(c), eps=eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Values and gradients.
+@pytest.mark.parametrize("I,H,O,C,lead", CONFIGS)
+def test_matches_float64_oracle(I, H, O, C, lead):
+    p = random_grn_params(I, H, O, C, seed=I + H)
+    a, c = _inputs(I, C, lead, seed=O)
+    y = _call(p, a, c)
+    assert y.shape == lead + (O,)
+    assert_f32_close(y, np_grn(p, a, c))
+    y = jax.jit(functools.partial(grn, eps=1e-3))(p, jnp.asarray(a), None if c is None else jnp.asarray(c))
+    assert_f32_close(y, np_grn(p, a, c, eps=1e-3))
+
+
+@pytest.mark.parametrize("I,H,O,C,lead", CONFIGS[:4])
+def test_grads_match_oracle_finite_differences(I, H, O, C, lead):
+    p = random_grn_params(I, H, O, C, seed=3 * I + H)
+    a, c = _inputs(I, C, lead, seed=5 + O)
+    r = np.random.default_rng(7).standard_normal(lead + (O,))
+
+    def loss(p, a, c):
+        return jnp.sum(grn(p, a, c) * jnp.asarray(r, jnp.float32))
+
+    args = (p, jnp.asarray(a)) + (() if c is None else (jnp.asarray(c),))
+    g = jax.grad(lambda *xs: loss(*xs, *((None,) if c is None else ())), argnums=tuple(range(len(args))))(*args)
+    want = fd_grads(lambda t: float(np.sum(np_grn(t[0], t[1], t[2] if c is not None else None) * r)),
+                    (p, a) + (() if c is None else (c,)))
+    assert_tree_close(g[0], want[0], 1e-4)
+    assert_f32_close(g[1], want[1], 1e-4)
+    if c is not None:
+        assert_f32_close(g[2], want[2], 1e-4)
+
+
+def test_check_grads():
+    p = random_grn_params(4, 5, 3, 2, seed=11)
+    a, c = _inputs(4, 2, (3,), seed=12)
+    check_grads(lambda p, a, c: grn(p, a, c), (p, jnp.asarray(a), jnp.asarray(c)), order=1, modes=("rev",),
+                atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+def test_context_broadcasts_over_leading_dims():
+    p = random_grn_params(5, 6, 4, 3, seed=21)
+    rng = np.random.default_rng(22)
+    a = rng.standard_normal((2, 7, 5)).astype(np.float32)
+    c = rng.standard_normal((2, 1, 3)).astype(np.float32)      # static context, one per sample
+    want = np_grn(p, a, np.broadcast_to(c, (2, 7, 3)))
+    assert_f32_close(grn(p, jnp.asarray(a), jnp.asarray(c)), want)
+    # gradient w.r.t. the broadcast context sums over time
+    r = rng.standard_normal((2, 7, 4))
+    g = jax.grad(lambda c: jnp.sum(grn(p, jnp.asarray(a), c) * r))(jnp.asarray(c))
+    want_g = fd_grads(lambda t: float(np.sum(np_grn(p, a, np.broadcast_to(t[0], (2, 7, 3))) * r)), (c,))[0]
+    assert_f32_close(g, want_g, 1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# LayerNorm edge cases (through the public op: identity skip and a zeroed GLU make x = a).
+def _passthrough_params(width, seed=0, gamma=None, beta=None):
+    p = grn_init(jax.random.key(seed), width, 2, width)
+    p = {**p, "w4": jnp.zeros_like(p["w4"]), "b4": jnp.zeros_like(p["b4"])}  # GLU output 0
+    rng = np.random.default_rng(seed)
+    if gamma is None:
+        gamma = 1.0 + 0.5 * rng.standard_normal(width)
+    if beta is None:
+        beta = rng.standard_normal(width)
+    return {**p, "gamma": jnp.asarray(gamma, jnp.float32), "beta": jnp.asarray(beta, jnp.float32)}
+
+
+def test_layer_norm_constant_row():
+    p = _passthrough_params(6, seed=1)
+    a = np.full((3, 6), 3.25, np.float32)
+    a[1] = -1e4
+    a[2] = 0.0
+    y = np.asarray(grn(p, jnp.asarray(a)))
+    np.testing.assert_array_equal(y, np.broadcast_to(np.asarray(p["beta"]), (3, 6)))  # output = beta exactly
+    r = np.random.default_rng(2).standard_normal((3, 6)).astype(np.float32)
+    gp, ga = jax.grad(lambda p, a: jnp.sum(grn(p, a) * r), argnums=(0, 1))(p, jnp.asarray(a))
+    for leaf in jax.tree.leaves((gp, ga)):
+        assert np.isfinite(np.asarray(leaf)).all()
+    # d out / d beta = r exactly; d out / d gamma = r * xhat = 0
+    np.testing.assert_array_equal(np.asarray(gp["beta"]), r.sum(0))
+    np.testing.assert_array_equal(np.asarray(gp["gamma"]), np.zeros(6, np.float32))
+
+
+def test_layer_norm_large_common_offset():
+    rng = np.random.default_rng(3)
+    O = 64
+    a = (1449.0 + rng.integers(-1, 2, size=(5, O))).astype(np.float32)   # 1449 +- 1
+    a[:, 0] = 1449.0 + np.array([-1, 0, 1, 1, -1])                         # shift pivot varies
+    p = _passthrough_params(O, seed=4)
+    y = grn(p, jnp.asarray(a))
+    assert np.isfinite(np.asarray(y)).all()
+    assert_f32_close(y, np_grn(p, a), tol=1e-5)
+    # the test can fail: E[x^2] - E[x]^2 in float32 is far off for these rows
+    x = a.astype(np.float32)
+    naive = np.mean(x * x, axis=-1) - np.mean(x, axis=-1) ** 2
+    exact = np.var(a.astype(np.float64), axis=-1)
+    assert np.max(np.abs(naive - exact) / exact) > 0.05
+
+
+@pytest.mark.parametrize("pos", [0, 5000, 10240])
+def test_layer_norm_one_outlier_among_10240(pos):
+    O = 10241
+    a = np.full((1, O), 256.0, np.float32)
+    a[0, pos] = 255.0
+    p = _passthrough_params(O, seed=5, gamma=np.ones(O), beta=np.zeros(O))
+    for eps in (1e-5, 1e-12):
+        y = np.asarray(grn(p, jnp.asarray(a), eps=eps), np.float64)
+        assert np.isfinite(y).all()
+        want = np_grn(p, a, eps=eps)
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=0)
+        # implied variance: mean(y^2) = var / (var + eps) with gamma = 1, beta = 0
+        s = np.mean(y * y)
+        var = eps * s / (1.0 - s) if eps > 1e-9 else None
+        pvar = (1.0 / O) * (1.0 - 1.0 / O)
+        if var is not None:
+            np.testing.assert_allclose(var, pvar, rtol=1e-4)
+        np.testing.assert_allclose(y[0, pos], -(1 - 1 / O) / math.sqrt(pvar + eps), rtol=1e-5)
+    g = jax.grad(lambda a: grn(p, a)[0, pos])(jnp.asarray(a))
+    assert np.isfinite(np.asarray(g)).all()
+
+
+def test_layer_norm_helper():
+    rng = np.random.default_rng(6)
+    x = (1e3 + rng.standard_normal((4, 33))).astype(np.float32)
+    g, b = rng.standard_normal(33), rng.standard_normal(33)
+    y = grn_mod.layer_norm(jnp.asarray(x), jnp.asarray(g, jnp.float32), jnp.asarray(b, jnp.float32), 1e-5)
+    assert_f32_close(y, np_layer_norm(x.astype(np.float64), g, b, 1e-5), tol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# bfloat16 inputs.
+def test_bfloat16_inputs_keep_float32_statistics():
+    I = O = 16
+    p = _passthrough_params(I, seed=7)
+    rng = np.random.default_rng(8)
+    # values exactly representable in bfloat16, large common offset: bfloat16 statistics would
+    # lose the deviations entirely (spacing 1 at 128..256)
+    a16 = jnp.asarray((200.0 + rng.integers(-3, 4, size=(4, I))).astype(np.float32), jnp.bfloat16)
+    a = np.asarray(a16.astype(jnp.float32))
+    y = grn(p, a16)
+    assert y.dtype == jnp.float32
+    assert_f32_close(y, np_grn(p, a), tol=1e-5)
+    # dense skip + context, bf16 both: same as the float32 op on the same values
+    q = random_grn_params(6, 5, 4, 3, seed=9)
+    x16 = jnp.asarray(rng.standard_normal((3, 6)), jnp.bfloat16)
+    c16 = jnp.asarray(rng.standard_normal((3, 3)), jnp.bfloat16)
+    assert_f32_close(grn(q, x16, c16), np_grn(q, np.asarray(x16.astype(jnp.float32)), np.asarray(c16.astype(jnp.float32))))
+    # gradient w.r.t. bf16 inputs: bf16, the float32 gradient rounded once
+    r = rng.standard_normal((3, 4)).astype(np.float32)
+    ga, gc = jax.grad(lambda x, c: jnp.sum(grn(q, x, c) * r), argnums=(0, 1))(x16, c16)
+    assert ga.dtype == jnp.bfloat16 and gc.dtype == jnp.bfloat16
+    fa, fc = jax.grad(lambda x, c: jnp.sum(grn(q, x, c) * r), argnums=(0, 1))(
+        x16.astype(jnp.float32), c16.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(ga), np.asarray(fa.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(gc), np.asarray(fc.astype(jnp.bfloat16)))
+    # mixed: bf16 a with float32 context is computed from float32 copies
+    y = grn(q, x16, c16.astype(jnp.float32))
+    assert y.dtype == jnp.float32
+    assert_f32_close(y, np_grn(q, np.asarray(x16.astype(jnp.float32)), np.asarray(c16.astype(jnp.float32))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors.
+def _bad(fn, exc, *words):
+    with pytest.raises(exc) as e:
+        fn()
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_errors():
+    p = random_grn_params(5, 6, 3, 2)
+    a = jnp.ones((4, 5))
+    c = jnp.ones((4, 2))
+    _bad(lambda: grn(p, a.astype(jnp.int32), c), TypeError, "a", "int32")
+    _bad(lambda: grn(p, a.astype(jnp.float16), c), TypeError, "a", "float16")
+    _bad(lambda: grn(p, np.ones((4, 5), np.float64), c), TypeError, "a", "float64")
+    _bad(lambda: grn(p, [[1.0] * 5], c), TypeError, "a")
+    _bad(lambda: grn(p, a[:, :4], c), ValueError, "a", "[..., 5]", "(4, 4)")
+    _bad(lambda: grn(p, a), ValueError, "context", "required")
+    _bad(lambda: grn(p, a, c[:, :1]), ValueError, "context", "[..., 2]", "(4, 1)")
+    _bad(lambda: grn(p, a, jnp.ones((3, 2))), ValueError, "context", "(3,)", "(4,)")
+    _bad(lambda: grn(p, a, c.astype(jnp.int32)), TypeError, "context", "int32")
+    q = random_grn_params(5, 6, 3)
+    _bad(lambda: grn(q, a, c), ValueError, "context", "w3")
+    _bad(lambda: grn({**q, "w1": jnp.ones((6, 5))}, a), ValueError, "params['w1']", "[6, 6]", "(6, 5)")
+    _bad(lambda: grn({**q, "b5": jnp.ones((4,))}, a), ValueError, "params['b5']", "[3]")
+    _bad(lambda: grn({**q, "w4": q["w4"].astype(jnp.bfloat16)}, a), TypeError, "params['w4']", "float32")
+    _bad(lambda: grn({k: v for k, v in q.items() if k != "gamma"}, a), ValueError, "params", "gamma")
+    _bad(lambda: grn({k: v for k, v in q.items() if k != "skip_w"}, a), ValueError, "params", "skip_w")
+    _bad(lambda: grn([q], a), TypeError, "params")
+    s = random_grn_params(5, 6, 5)
+    _bad(lambda: grn({**s, "skip_w": jnp.ones((5, 5)), "skip_b": jnp.ones(5)}, a), ValueError, "identity")
+    _bad(lambda: grn(q, a, eps=0.0), ValueError, "eps")
+    _bad(lambda: grn(q, a, eps=-1e-5), ValueError, "eps")
+    _bad(lambda: grn(q, a, eps=float("nan")), ValueError, "eps")
+    _bad(lambda: grn(q, a, eps="1e-5"), TypeError, "eps")
+    _bad(lambda: grn_init(jax.random.key(0), 5, 0, 3), ValueError, "hidden_size")
+    _bad(lambda: grn_init(jax.random.key(0), 5, 4, 3.0), ValueError, "output_size")
+    _bad(lambda: grn_init(jax.random.key(0), 5, 4, 3, context_size=0), ValueError, "context_size")
+
+
+# ----------------------------------------------------------------------------------------------
+# Init.
+def test_init():
+    p = grn_init(jax.random.key(3), 12, 20, 7, context_size=5)
+    shapes = {"w2": (12, 20), "b2": (20,), "w3": (5, 20), "w1": (20, 20), "b1": (20,), "w4": (20, 7), "b4": (7,),
+              "w5": (20, 7), "b5": (7,), "skip_w": (12, 7), "skip_b": (7,), "gamma": (7,), "beta": (7,)}
+    assert {k: tuple(v.shape) for k, v in p.items()} == shapes
+    for k in ("w2", "w3", "w1", "w4", "w5", "skip_w"):
+        w = np.asarray(p[k])
+        assert w.dtype == np.float32
+        bound = math.sqrt(6.0 / sum(w.shape))
+        assert np.abs(w).max() <= bound and np.abs(w).max() > 0.7 * bound and abs(w.mean()) < 0.2 * bound
+    for k in ("b2", "b1", "b4", "b5", "skip_b", "beta"):
+        assert np.all(np.asarray(p[k]) == 0.0)
+    assert np.all(np.asarray(p["gamma"]) == 1.0)
+    assert not np.array_equal(np.asarray(p["w4"]), np.asarray(p["w5"]))
+    q = grn_init(jax.random.key(3), 12, 20, 7, context_size=5)
+    assert all(np.array_equal(np.asarray(p[k]), np.asarray(q[k])) for k in p)
+    p = grn_init(jax.random.key(4), 8, 4, 8)
+    assert "w3" not in p and "skip_w" not in p and "skip_b" not in p
+
+
+# ----------------------------------------------------------------------------------------------
+# Composition.
+def test_jit_vmap_scan_grad():
+    I, H, O, C = 5, 6, 4, 3
+    p = random_grn_params(I, H, O, C, seed=31)
+    a, c = _inputs(I, C, (3, 4), seed=32)
+    eager = grn(p, jnp.asarray(a), jnp.asarray(c))
+    jitted = jax.jit(grn)(p, jnp.asarray(a), jnp.asarray(c))
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-6, atol=1e-6)
+    # vmap over a batch axis of the data
+    v = jax.vmap(lambda a, c: grn(p, a, c))(jnp.asarray(a), jnp.asarray(c))
+    assert_f32_close(v, np_grn(p, a, c))
+    # vmap over an ensemble of parameters (stacked), shared data
+    ps = [random_grn_params(I, H, O, C, seed=40 + s) for s in range(3)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *ps)
+    ys = jax.vmap(lambda q: grn(q, jnp.asarray(a), jnp.asarray(c)))(stacked)
+    for s in range(3):
+        assert_f32_close(ys[s], np_grn(ps[s], a, c))
+    # grad under jit and vmap of grad
+    r = np.random.default_rng(33).standard_normal((3, 4, O)).astype(np.float32)
+    g = jax.jit(jax.grad(lambda q, a, c: jnp.sum(grn(q, a, c) * r), argnums=(0, 1)))(p, jnp.asarray(a), jnp.asarray(c))
+    want = fd_grads(lambda t: float(np.sum(np_grn(t[0], t[1], c) * r)), (p, a))
+    assert_tree_close(g[0], want[0], 1e-4)
+    assert_f32_close(g[1], want[1], 1e-4)
+    gv = jax.vmap(jax.grad(lambda q: jnp.sum(grn(q, jnp.asarray(a), jnp.asarray(c)) * r)))(stacked)
+    for s in range(3):
+        g1 = jax.grad(lambda q: jnp.sum(grn(q, jnp.asarray(a), jnp.asarray(c)) * r))(ps[s])
+        assert_tree_close({k: v[s] for k, v in gv.items()}, g1, 1e-5)
+
+    # inside lax.scan (GRN applied to a carried state)
+    def body(h, x):
+        y = grn(random_grn_params(O, H, O, seed=50), h + x)
+        return y, y
+
+    xs = np.random.default_rng(34).standard_normal((3, 2, O)).astype(np.float32)
+    _, out = jax.lax.scan(body, jnp.zeros((2, O)), jnp.asarray(xs))
+    q = random_grn_params(O, H, O, seed=50)
+    h = np.zeros((2, O))
+    for t in range(3):
+        h = np_grn(q, h.astype(np.float32) + xs[t])
+        assert_f32_close(out[t], h)
+
+
+def test_zero_rows():
+    p = random_grn_params(5, 6, 3, 2)
+    y = grn(p, jnp.zeros((0, 4, 5)), jnp.zeros((0, 4, 2)))
+    assert y.shape == (0, 4, 3)
+    g = jax.grad(lambda p: jnp.sum(grn(p, jnp.zeros((0, 5)), jnp.zeros((0, 2)))))(p)
+    assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(g))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side of the kernel path, through a float64 NumPy transcription of ffi/grn.cu.
+def _r4(n):
+    return (n + 3) // 4 * 4
+
+
+def flat_layout(I, C, H, O):
+    """Segments of the flat vector as documented in jaxfox/grn.py: name -> (offset, shape)."""
+    I4, C4, H4, O4 = _r4(I), _r4(C), _r4(H), _r4(O)
+    NA = H4 + (O4 if I != O else 0)
+    segs, off = {}, 0
+    for name, shape in (("wa", (I4, NA)), ("ba", (NA,)), ("wc", (C4, H4)), ("w1", (H4, H4)), ("b1", (H4,)),
+                        ("wg", (H4, 2 * O4)), ("bg", (2 * O4,)), ("gamma", (O4,)), ("beta", (O4,))):
+        segs[name] = (off, shape)
+        off += int(np.prod(shape))
+    return segs, off, (I4, C4, H4, O4, NA)
+
+
+def unpack_flat(w, I, C, H, O, transposed=False):
+    segs, P, _ = flat_layout(I, C, H, O)
+    assert w.shape == (P,)
+    out = {}
+    for name, (off, shape) in segs.items():
+        seg = np.asarray(w[off:off + int(np.prod(shape))], np.float64)
+        out[name] = seg.reshape(shape[::-1]).T if (transposed and len(shape) == 2) else seg.reshape(shape)
+    return out
+
+
+def grn_forward_f64(W, a, c, I, C, H, O, eps):
+    """Forward of one GRN from the unpacked flat weights; returns y and the saved activations."""
+    _, _, (I4, C4, H4, O4, NA) = flat_layout(I, C, H, O)
+    R = a.shape[0]
+    ap = np.zeros((R, I4)); ap[:, :I] = a
+    cp = np.zeros((R, C4)); cp[:, :C] = c
+    hs = ap @ W["wa"] + W["ba"]
+    h2 = hs[:, :H4] + cp @ W["wc"]
+    eta2 = np_elu(h2)
+    eta1 = eta2 @ W["w1"] + W["b1"]
+    g = eta1 @ W["wg"] + W["bg"]
+    skip = hs[:, H4:H4 + O] if I != O else ap[:, :O]
+    x = skip + g[:, :O] * np_sigmoid(g[:, O4:O4 + O])
+    mu = x.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+    xhat = np.zeros((R, O4)); xhat[:, :O] = (x - mu) * rstd
+    y = xhat[:, :O] * W["gamma"][:O] + W["beta"][:O]
+    return y, eta2, eta1, g, xhat, rstd[:, 0]
+
+
+def grn_backward_f64(W, a, c, eta2, eta1, g, xhat, rstd, dy, I, C, H, O):
+    """Backward of one GRN from saved activations: (d flat [P], da, dc)."""
+    segs, P, (I4, C4, H4, O4, NA) = flat_layout(I, C, H, O)
+    R = a.shape[0]
+    ap = np.zeros((R, I4)); ap[:, :I] = a
+    cp = np.zeros((R, C4)); cp[:, :C] = c
+    xh = xhat[:, :O]
+    dgamma = np.zeros(O4); dgamma[:O] = (dy * xh).sum(0)
+    dbeta = np.zeros(O4); dbeta[:O] = dy.sum(0)
+    dxh = dy * W["gamma"][:O]
+    dx = rstd[:, None] * (dxh - dxh.mean(-1, keepdims=True) - xh * (dxh * xh).mean(-1, keepdims=True))
+    s5 = np_sigmoid(g[:, O4:O4 + O])
+    dg = np.zeros((R, 2 * O4))
+    dg[:, :O] = dx * s5
+    dg[:, O4:O4 + O] = dx * g[:, :O] * s5 * (1 - s5)
+    deta1 = dg @ W["wg"].T
+    dh2 = (deta1 @ W["w1"].T) * np.where(eta2 > 0, 1.0, eta2 + 1.0)
+    dA = np.zeros((R, NA)); dA[:, :H4] = dh2
+    if I != O:
+        dA[:, H4:H4 + O] = dx
+    da = dA @ W["wa"].T
+    if I == O:
+        da[:, :O] += dx
+    d = {"wa": ap.T @ dA, "ba": dA.sum(0), "wc": cp.T @ dh2, "w1": eta2.T @ deta1, "b1": deta1.sum(0),
+         "wg": eta1.T @ dg, "bg": dg.sum(0), "gamma": dgamma, "beta": dbeta}
+    flat = np.concatenate([d[name].ravel() for name in segs])
+    assert flat.shape == (P,)
+    return flat, da[:, :I], (dh2 @ W["wc"].T)[:, :C]
+
+
+def _lead(x, n):
+    return x.shape[:x.ndim - n]
+
+
+def emu_grn_fwd(w, a, c, *, input_size, context_size, hidden_size, output_size, tile_rows, eps):
+    I, C, H, O = input_size, context_size, hidden_size, output_size
+    lead = _lead(a, 2)
+    R = a.shape[-2]
+    assert tile_rows in (16, 32) and a.shape[-1] == I and c.shape == lead + (R, C) and a.dtype == c.dtype
+    _, P, (I4, C4, H4, O4, NA) = flat_layout(I, C, H, O)
+    assert w.shape == lead + (P,) and w.dtype == np.float32
+    V = int(np.prod(lead, dtype=np.int64))
+    outs = [np.zeros((V, R) + s) for s in ((O,), (H4,), (H4,), (2 * O4,), (O4,), ())]
+    aa = np.asarray(a, np.float64).reshape(V, R, I)
+    cc = np.asarray(c, np.float64).reshape(V, R, C)
+    for v in range(V):
+        res = grn_forward_f64(unpack_flat(w.reshape(V, P)[v], I, C, H, O), aa[v], cc[v], I, C, H, O, float(eps))
+        for o, r in zip(outs, res):
+            o[v] = r
+    return tuple(o.reshape(lead + o.shape[1:]).astype(np.float32) for o in outs)
+
+
+def emu_grn_bwd(w, wt, a, c, eta2, eta1, g, xhat, rstd, dy, *, input_size, context_size, hidden_size,
+                output_size, tile_rows, chunks, reduce_chunks):
+    I, C, H, O = input_size, context_size, hidden_size, output_size
+    lead = _lead(a, 2)
+    R = a.shape[-2]
+    _, P, (I4, C4, H4, O4, NA) = flat_layout(I, C, H, O)
+    tiles = -(-R // tile_rows)
+    assert 1 <= chunks <= tiles and -(-tiles // -(-tiles // chunks)) == chunks  # no empty chunk
+    assert reduce_chunks == jaxfox.reduce.reduce_chunks(chunks, P)
+    V = int(np.prod(lead, dtype=np.int64))
+    dw, da, dc = np.zeros((V, P)), np.zeros((V, R, I)), np.zeros((V, R, C))
+    sv = lambda x, *s: np.asarray(x, np.float64).reshape((V,) + s)  # noqa: E731
+    for v in range(V):
+        W = unpack_flat(w.reshape(V, P)[v], I, C, H, O)
+        Wt = unpack_flat(wt.reshape(V, P)[v], I, C, H, O, transposed=True)
+        for k in W:  # the backward's second vector is the first with every matrix transposed
+            np.testing.assert_array_equal(W[k], Wt[k])
+        dw[v], da[v], dc[v] = grn_backward_f64(
+            W, sv(a, R, I)[v], sv(c, R, C)[v], sv(eta2, R, H4)[v], sv(eta1, R, H4)[v], sv(g, R, 2 * O4)[v],
+            sv(xhat, R, O4)[v], sv(rstd, R)[v], sv(dy, R, O)[v], I, C, H, O)
+    f32 = np.float32
+    return (dw.reshape(lead + (P,)).astype(f32), da.reshape(a.shape).astype(a.dtype), dc.reshape(c.shape).astype(c.dtype),
+            np.zeros(lead + (chunks, P), f32), np.zeros(lead + ((reduce_chunks * P if reduce_chunks > 1 else 0),), f32))
+
+
+def make_kernel_path(monkeypatch, module, emulators):
+    """Routes `module`'s FFI calls to float64 NumPy emulators (pure_callback); returns the call log."""
+    calls = []
+
+    def fake_ffi_call(target, result_shape_dtypes, *, vmap_method=None, **_):
+        assert vmap_method == "broadcast_all"
+
+        def call(*args, **attrs):
+            for k, val in attrs.items():
+                assert isinstance(val, (np.int64, np.float32)), (k, type(val))
+            calls.append(target)
+            cb = functools.partial(emulators[target], **{k: val.item() for k, val in attrs.items()})
+
+            def checked(*xs):
+                out = cb(*xs)
+                for o, s in zip(out, result_shape_dtypes):  # (vmap adds leading dims)
+                    ok = o.shape[o.ndim - len(s.shape):] == tuple(s.shape) and o.dtype == s.dtype
+                    assert ok, (target, o.shape, s.shape, o.dtype, s.dtype)
+                return out
+
+            return jax.pure_callback(checked, result_shape_dtypes, *args, vmap_method="broadcast_all")
+
+        return call
+
+    monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+    monkeypatch.setattr(module, "dispatch", lambda kernel, reference, *args: kernel(*args))
+    return calls
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    monkeypatch.setattr(grn_mod, "_KERNELS_ENABLED", True)  # the kernels are not enabled in the package yet
+    return make_kernel_path(monkeypatch, grn_mod, {"jaxfox_grn_fwd": emu_grn_fwd, "jaxfox_grn_bwd": emu_grn_bwd})
+
+
+@pytest.mark.parametrize("I,H,O,C,lead", [(5, 7, 3, None, (4,)), (6, 8, 6, 4, (2, 3)), (9, 5, 6, 3, (70,))])
+def test_kernel_path_wiring(kernel_path, I, H, O, C, lead):
+    p = random_grn_params(I, H, O, C, seed=60 + I)
+    a, c = _inputs(I, C, lead, seed=61)
+    y = _call(p, a, c)
+    assert_f32_close(y, np_grn(p, a, c))
+    r = np.random.default_rng(62).standard_normal(lead + (O,)).astype(np.float32)
+    args = (p, jnp.asarray(a)) + (() if c is None else (jnp.asarray(c),))
+    g = jax.grad(lambda *xs: jnp.sum(grn(*xs) * r), argnums=tuple(range(len(args))))(*args)
+    assert kernel_path.count("jaxfox_grn_fwd") >= 1 and kernel_path.count("jaxfox_grn_bwd") == 1
+    # float64 truth (the emulation is float64 too, so the tolerance can be tight)
+    want = fd_grads(lambda t: float(np.sum(np_grn(t[0], t[1], t[2] if c is not None else None) * r)),
+                    (p, a) + (() if c is None else (c,)))
+    assert_tree_close(g[0], want[0], 2e-5)
+    for got, w in zip(g[1:], want[1:]):
+        assert_f32_close(got, w, 2e-5)
+
+
+def test_kernel_path_vmap_bf16_context_broadcast(kernel_path):
+    I, H, O, C = 6, 5, 4, 3
+    ps = [random_grn_params(I, H, O, C, seed=70 + s) for s in range(3)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *ps)
+    rng = np.random.default_rng(71)
+    a = rng.standard_normal((3, 2, 5, I)).astype(np.float32)
+    c = rng.standard_normal((3, 2, 1, C)).astype(np.float32)
+    r = rng.standard_normal((2, 5, O)).astype(np.float32)
+    ys = jax.vmap(grn)(stacked, jnp.asarray(a), jnp.asarray(c))
+    for s in range(3):
+        assert_f32_close(ys[s], np_grn(ps[s], a[s], np.broadcast_to(c[s], (2, 5, C))))
+    gv = jax.vmap(jax.grad(lambda q, a, c: jnp.sum(grn(q, a, c) * r), argnums=(0, 2)))(stacked, jnp.asarray(a), jnp.asarray(c))
+    for s in range(3):
+        want = fd_grads(lambda t: float(np.sum(np_grn(t[0], a[s], np.broadcast_to(t[1], (2, 5, C))) * r)), (ps[s], c[s]))
+        assert_tree_close({k: x[s] for k, x in gv[0].items()}, want[0], 1e-4)
+        assert_f32_close(gv[1][s], want[1], 1e-4)
+    a16, c16 = jnp.asarray(a[0], jnp.bfloat16), jnp.asarray(c[0], jnp.bfloat16)
+    y = grn(ps[0], a16, c16)
+    assert y.dtype == jnp.float32
+    ga, gc = jax.grad(lambda x, z: jnp.sum(grn(ps[0], x, z) * r), argnums=(0, 1))(a16, c16)
+    assert ga.dtype == jnp.bfloat16 and gc.dtype == jnp.bfloat16
+    want = fd_grads(lambda t: float(np.sum(np_grn(ps[0], t[0], np.broadcast_to(t[1], (2, 5, C))) * r)),
+                    (np.asarray(a16.astype(jnp.float32)), np.asarray(c16.astype(jnp.float32))))
+    assert rel_err(np.asarray(ga.astype(jnp.float32)), want[0]) < 1e-2
+    assert rel_err(np.asarray(gc.astype(jnp.float32)), want[1]) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout and launch configuration (pure Python).
+def test_flat_layout_matches_documentation():
+    for I, C, H, O in [(5, 0, 7, 3), (6, 4, 8, 6), (768, 0, 128, 48), (16, 0, 128, 128), (1, 1, 1, 1)]:
+        lay = grn_mod._layout(I, C, H, O)
+        segs, P, _ = flat_layout(I, C, H, O)
+        assert lay.P == P and all(off % 4 == 0 for off, _ in segs.values())
+        assert {n: (o, s) for n, o, s in lay.segments} == segs
+    I, C, H, O = 5, 3, 6, 4
+    p = random_grn_params(I, H, O, C, seed=80)
+    lay = grn_mod._layout(I, C, H, O)
+    w = np.asarray(grn_mod._flatten(lay, p))
+    W = unpack_flat(w, I, C, H, O)
+    H4, O4 = _r4(H), _r4(O)
+    np.testing.assert_array_equal(W["wa"][:I, :H], p["w2"])
+    np.testing.assert_array_equal(W["wa"][:I, H4:H4 + O], p["skip_w"])
+    np.testing.assert_array_equal(W["ba"][H4:H4 + O], p["skip_b"])
+    np.testing.assert_array_equal(W["wc"][:C, :H], p["w3"])
+    np.testing.assert_array_equal(W["wg"][:H, :O], p["w4"])
+    np.testing.assert_array_equal(W["wg"][:H, O4:O4 + O], p["w5"])
+    np.testing.assert_array_equal(W["bg"][O4:O4 + O], p["b5"])
+    np.testing.assert_array_equal(W["gamma"][:O], p["gamma"])
+    assert np.count_nonzero(W["wa"][I:]) == 0 and np.count_nonzero(W["wa"][:, H:H4]) == 0
+    assert np.count_nonzero(W["gamma"][O:]) == 0
+    wt = np.asarray(grn_mod._transpose_flat(lay, jnp.asarray(w)))
+    Wt = unpack_flat(wt, I, C, H, O, transposed=True)
+    assert all(np.array_equal(W[k], Wt[k]) for k in W)
+
+
+def test_launch_configuration():
+    lay = grn_mod._layout(128, 0, 128, 128)
+    for R in (1, 100, 2048, 16384, 100000):
+        cfg = grn_mod._grn_config(lay, R, 1e-5)
+        tiles = -(-R // cfg.tile_rows)
+        assert cfg.tile_rows == (32 if R >= 4096 else 16)
+        assert 1 <= cfg.chunks <= tiles and -(-tiles // -(-tiles // cfg.chunks)) == cfg.chunks
+        assert grn_mod._smem_bytes(lay, cfg.tile_rows, "bwd") <= grn_mod._SMEM_BUDGET
+        assert cfg == grn_mod._grn_config(lay, R, 1e-5)  # a function of the shape only
+    assert grn_mod._grn_config(lay, 0, 1e-5) is None
+    assert grn_mod._grn_config(grn_mod._layout(10241, 0, 2, 10241), 1, 1e-5) is None  # too wide: reference
+    assert grn_mod._best_split(128, 1, 264) == 128
+    assert grn_mod._best_split(512, 1, 132) == 128
+    assert grn_mod._best_split(48, 64, 132) == 2

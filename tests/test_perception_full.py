@@ -1,0 +1,308 @@
+"""Tests for jaxfox.nn.tft (GRN, VSN, AttentionPool modules), jaxfox.models.perception (the full model) and
+the main job's ``--model full``. CPU (the modules run the ops' pure-JAX reference paths here); the real-data
+run takes ~1 minute.
+
+Expected values come from an independent float64 NumPy implementation of the equations (TFT eqs. 2-8,
+google-research form; attention pooling as OPS.md; the CfC from conftest.np_cfc_scan), written here.
+"""
+
+import json
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import np_cfc_scan
+from jaxfox.attention import attention_pool, attention_pool_init
+from jaxfox.grn import grn, grn_init
+from jaxfox.models.perception import Perception, evaluate, make_model, make_optimizer, predict, train_step
+from jaxfox.nn.tft import GRN, VSN, AttentionPool
+from jaxfox.vsn import vsn, vsn_init
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+# ---------------------------------------------------------------- independent float64 NumPy forward
+def _f64(tree):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def _elu(x):
+    return np.where(x > 0, x, np.expm1(np.minimum(x, 0.0)))
+
+
+def _sig(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _np_grn(p, a, c=None, eps=1e-5):
+    """TFT GRN, float64: LayerNorm(skip(a) + GLU(W1 ELU(W2 a + b2 + W3 c) + b1))."""
+    h = a @ p["w2"] + p["b2"]
+    if c is not None:
+        h = h + c @ p["w3"]
+    eta1 = _elu(h) @ p["w1"] + p["b1"]
+    x = (a @ p["skip_w"] + p["skip_b"] if "skip_w" in p else a) + (eta1 @ p["w4"] + p["b4"]) * _sig(
+        eta1 @ p["w5"] + p["b5"])
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * p["gamma"] + p["beta"]
+
+
+def _np_vsn(p, xs, eps=1e-5):
+    """xs [..., m, d] -> (out [..., O], v [..., m]), float64, one GRN per variable in a Python loop."""
+    m, d = xs.shape[-2:]
+    logits = _np_grn(p["selection"], xs.reshape(xs.shape[:-2] + (m * d,)), eps=eps)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    v = e / e.sum(-1, keepdims=True)
+    out = 0.0
+    for j in range(m):
+        pj = {k: a[j] for k, a in p["variables"].items()}
+        out = out + v[..., j:j + 1] * _np_grn(pj, xs[..., j, :], eps=eps)
+    return out, v
+
+
+def _np_pool(p, hs, n):
+    """hs [B, T, H] -> (pooled [B, H], alpha [B, n, T]), float64."""
+    B, T, H = hs.shape
+    d = H // n
+    k = (hs @ p["w_k"]).reshape(B, T, n, d)
+    v = (hs @ p["w_v"]).reshape(B, T, n, d)
+    s = np.einsum("btjd,jd->bjt", k, p["q"].reshape(n, d)) / math.sqrt(d)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    alpha = e / e.sum(-1, keepdims=True)
+    return np.einsum("bjt,btjd->bjd", alpha, v).reshape(B, H) @ p["w_o"] + p["b_o"], alpha
+
+
+def _leaves_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _n_params(module):
+    return sum(v.size for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+# ---------------------------------------------------------------- modules
+@pytest.mark.parametrize("I,O,C", [(5, 6, None), (6, 6, None), (5, 3, 4)])
+def test_grn_module_params_forward_and_grad(I, O, C):
+    Hd, B, T = 7, 3, 4
+    mod = GRN(I, Hd, O, context_size=C, rngs=nnx.Rngs(2))
+    want = grn_init(nnx.Rngs(2).params(), I, Hd, O, context_size=C)
+    _leaves_equal(mod.params, want)
+    assert _n_params(mod) == sum(v.size for v in jax.tree.leaves(want))  # every array is an nnx.Param
+    assert ("skip_w" in want) == (I != O) and ("w3" in want) == (C is not None)
+
+    rng = np.random.default_rng(0)
+    # non-trivial biases / LayerNorm affine so that they are exercised
+    nnx.update(mod, jax.tree.map(lambda a: a + 0.1 * rng.normal(size=a.shape).astype(np.float32),
+                                 nnx.state(mod, nnx.Param)))
+    a = rng.normal(size=(B, T, I)).astype(np.float32)
+    c = None if C is None else rng.normal(size=(B, 1, C)).astype(np.float32)
+    y = np.asarray(mod(jnp.asarray(a), None if c is None else jnp.asarray(c)))
+    assert y.shape == (B, T, O) and y.dtype == np.float32
+    ref = _np_grn(_f64(mod.params), a.astype(np.float64), None if c is None else c.astype(np.float64))
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y, np.asarray(grn(mod.params, jnp.asarray(a), None if c is None else jnp.asarray(c))))
+
+    cj = None if c is None else jnp.asarray(c)
+    g_mod = nnx.grad(lambda m_: (m_(jnp.asarray(a), cj) ** 3).sum())(mod)
+    g_fun = jax.grad(lambda p: (grn(p, jnp.asarray(a), cj) ** 3).sum())(mod.params)
+    for k in g_fun:
+        np.testing.assert_allclose(np.asarray(g_mod["p"][k][...]), np.asarray(g_fun[k]), rtol=1e-6, atol=1e-7)
+    assert float(jnp.abs(g_fun["w2"]).sum()) > 0
+
+
+def test_vsn_module_params_forward_weights_and_grad():
+    m, d, Hd, O, B, T = 5, 3, 8, 6, 2, 4
+    mod = VSN(m, d, Hd, O, rngs=nnx.Rngs(4))
+    want = vsn_init(nnx.Rngs(4).params(), m, d, Hd, O)
+    _leaves_equal(mod.params, want)
+    assert _n_params(mod) == sum(v.size for v in jax.tree.leaves(want))
+    rng = np.random.default_rng(1)
+    nnx.update(mod, jax.tree.map(lambda a: a + 0.1 * rng.normal(size=a.shape).astype(np.float32),
+                                 nnx.state(mod, nnx.Param)))
+    xs = rng.normal(size=(B, T, m, d)).astype(np.float32)
+    out, w = mod(jnp.asarray(xs))
+    assert out.shape == (B, T, O) and w.shape == (B, T, m)
+    assert out.dtype == jnp.float32 and w.dtype == jnp.float32
+    ref_out, ref_w = _np_vsn(_f64(mod.params), xs.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(w), ref_w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=0, atol=1e-6)
+    assert np.asarray(w).min() > 0 and np.asarray(w).std() > 1e-3  # not all uniform
+    f_out, f_w = vsn(mod.params, jnp.asarray(xs))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(f_out))
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(f_w))
+
+    def obj_mod(m_):
+        o, v = m_(jnp.asarray(xs))
+        return (o ** 2).sum() + (v * jnp.arange(m)).sum()
+
+    def obj_fun(p):
+        o, v = vsn(p, jnp.asarray(xs))
+        return (o ** 2).sum() + (v * jnp.arange(m)).sum()
+
+    g_mod, g_fun = nnx.grad(obj_mod)(mod), jax.grad(obj_fun)(mod.params)
+    for part in ("selection", "variables"):
+        for k in g_fun[part]:
+            np.testing.assert_allclose(np.asarray(g_mod[part][k][...]), np.asarray(g_fun[part][k]),
+                                       rtol=1e-6, atol=1e-7)
+
+
+def test_attention_pool_module_params_forward_and_grad():
+    H, n, B, T = 8, 4, 3, 5
+    mod = AttentionPool(H, num_heads=n, rngs=nnx.Rngs(5))
+    _leaves_equal(mod.params, attention_pool_init(nnx.Rngs(5).params(), H, num_heads=n))
+    assert _n_params(mod) == 3 * H * H + 2 * H
+    mod.b_o[...] = jnp.linspace(-1.0, 1.0, H)
+    hs = np.random.default_rng(2).normal(size=(B, T, H)).astype(np.float32)
+    pooled, alpha = mod(jnp.asarray(hs))
+    assert pooled.shape == (B, H) and alpha.shape == (B, n, T)
+    rp, ra = _np_pool(_f64(mod.params), hs.astype(np.float64), n)
+    np.testing.assert_allclose(np.asarray(pooled), rp, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(alpha), ra, rtol=1e-5, atol=1e-7)
+    fp, fa = attention_pool(mod.params, jnp.asarray(hs), num_heads=n)
+    np.testing.assert_array_equal(np.asarray(pooled), np.asarray(fp))
+    np.testing.assert_array_equal(np.asarray(alpha), np.asarray(fa))
+    g_mod = nnx.grad(lambda m_: (m_(jnp.asarray(hs))[0] ** 2).sum())(mod)
+    g_fun = jax.grad(lambda p: (attention_pool(p, jnp.asarray(hs), num_heads=n)[0] ** 2).sum())(mod.params)
+    for k in g_fun:
+        np.testing.assert_allclose(np.asarray(getattr(g_mod, k)[...]), np.asarray(g_fun[k]), rtol=1e-6, atol=1e-7)
+    mask = jnp.asarray(np.array([[True] * T, [True, False, True, False, False], [False] * T]))
+    pm, am = mod(jnp.asarray(hs), mask)
+    assert np.all(np.asarray(am)[1][:, [1, 3, 4]] == 0) and np.all(np.asarray(pm)[2] == 0)
+
+
+def test_module_errors_name_the_argument():
+    with pytest.raises(ValueError, match="a must have shape"):
+        GRN(4, 5, 6, rngs=nnx.Rngs(0))(jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match="context"):
+        GRN(4, 5, 6, context_size=2, rngs=nnx.Rngs(0))(jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match="xs"):
+        VSN(3, 2, 4, 5, rngs=nnx.Rngs(0))(jnp.zeros((2, 3, 3)))
+    with pytest.raises(ValueError, match="hs"):
+        AttentionPool(8, rngs=nnx.Rngs(0))(jnp.zeros((2, 3, 6)))
+    with pytest.raises(ValueError, match="num_heads"):
+        AttentionPool(6, num_heads=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="hidden_size"):
+        GRN(4, 0, 6, rngs=nnx.Rngs(0))
+
+
+# ---------------------------------------------------------------- the full model
+def _np_perception(model, x):
+    """The model's forward in float64 NumPy (module docstring equations), -> (logits [B], weights [B, T, m])."""
+    x = x.astype(np.float64)
+    e = x[..., None] * np.asarray(model.embed_w[...], np.float64) + np.asarray(model.embed_b[...], np.float64)
+    z, w = _np_vsn(_f64(model.vsn.params), e)
+    hs = np_cfc_scan(model.cfc.params, z, 1.0)
+    pooled, _ = _np_pool(_f64(model.pool.params), hs, model.pool.num_heads)
+    g = _np_grn(_f64(model.head.params), np.concatenate([pooled, hs[:, -1]], axis=-1))
+    logit = g @ np.asarray(model.out.kernel[...], np.float64)[:, 0] + float(model.out.bias[...][0])
+    return logit, w
+
+
+def test_perception_forward_matches_numpy_and_shapes():
+    m, B, T = 6, 3, 9
+    model = make_model(m, embed_dim=3, vsn_hidden=8, vsn_out=5, hidden=8, backbone_units=12, num_heads=2,
+                       rngs=nnx.Rngs(0))
+    assert isinstance(model, Perception)
+    x = np.random.default_rng(3).normal(size=(B, T, m)).astype(np.float32)
+    logits, w = model(jnp.asarray(x))
+    assert logits.shape == (B,) and w.shape == (B, T, m)
+    assert logits.dtype == jnp.float32 and w.dtype == jnp.float32
+    ref_logits, ref_w = _np_perception(model, x)
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(w), ref_w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=0, atol=1e-6)
+    assert np.std(np.asarray(logits)) > 1e-4  # the samples give different logits
+
+    # predict / evaluate: chunking (pad the last chunk) gives the same logits; weights are per-window means
+    lg, wm = predict(model, x, batch_size=2)
+    np.testing.assert_allclose(lg, np.asarray(logits), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(wm, np.asarray(w).mean(1), rtol=1e-5, atol=1e-7)
+    y = np.array([0.0, 1.0, 1.0], np.float32)
+    loss, auc, wmean = evaluate(model, x, y, batch_size=2)
+    p = _sig(ref_logits)
+    assert loss == pytest.approx(float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean()), rel=1e-4)
+    s = ref_logits
+    pairs = [(s[i] > s[j]) + 0.5 * (s[i] == s[j]) for i in (1, 2) for j in (0,)]
+    assert auc == pytest.approx(float(np.mean(pairs)))
+    np.testing.assert_allclose(wmean, ref_w.mean((0, 1)), rtol=1e-5, atol=1e-7)
+    assert wmean.sum() == pytest.approx(1.0, abs=1e-6)
+
+    with pytest.raises(ValueError, match="x must have shape"):
+        model(jnp.zeros((B, T, m + 1)))
+    with pytest.raises(TypeError, match="x must be float32"):
+        model(jnp.zeros((B, T, m), jnp.float16))
+    with pytest.raises(ValueError, match="num_heads"):
+        make_model(m, hidden=6, num_heads=4, rngs=nnx.Rngs(0))
+
+
+def test_perception_train_step_lowers_loss():
+    model = make_model(6, embed_dim=2, vsn_hidden=8, vsn_out=8, hidden=8, backbone_units=16, num_heads=2,
+                       rngs=nnx.Rngs(0))
+    opt = make_optimizer(model, lr=1e-2)
+    x = jax.random.normal(jax.random.key(0), (16, 10, 6))
+    y = (x[:, -1, 0] > 0).astype(jnp.float32)
+    before = {k: np.array(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    losses = [float(train_step(model, opt, x, y)) for _ in range(30)]
+    # the first loss is the untrained model's (~log 2 give or take the initial head); then it must fall
+    assert losses[0] > 0.4 and losses[-1] < 0.5 * losses[0] and losses[-1] < min(losses[:5]), losses
+    after = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    # every block is trained (nothing detached from the loss)
+    for part in ("embed_w", "vsn", "cfc", "pool", "head", "out"):
+        changed = [not np.array_equal(before[k], np.asarray(after[k])) for k in before if k[0] == part]
+        assert changed and any(changed), part
+
+
+# ---------------------------------------------------------------- the main job, --model full
+def _import_main_job():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import train_perception
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return train_perception
+
+
+def test_main_job_full_one_short_epoch_on_real_data(tmp_path, capsys):
+    tp = _import_main_job()
+    metrics = tp.main(["--model", "full", "--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["args"]["model"] == "full" and saved["args"]["embed_dim"] == 4
+    assert saved["n_train"] == 256 and saved["n_val"] > 500 and saved["n_test"] > 500
+    assert len(saved["history"]["val_auc"]) == 1 and saved["best_epoch"] == 1
+    for k in ("test_auc", "best_val_auc"):
+        assert math.isfinite(saved[k]) and 0.0 <= saved[k] <= 1.0
+    assert saved["test_auc"] == pytest.approx(metrics["test_auc"])
+    assert set(saved["baselines_test"]) == {"trailing_abs_return", "trailing_vix"}
+    w = saved["vsn_weights_test"]
+    assert len(w) == 48 and sum(w.values()) == pytest.approx(1.0, abs=1e-5) and min(w.values()) > 0
+    assert sum(saved["vsn_weights_val"].values()) == pytest.approx(1.0, abs=1e-5)
+    for name in ("curves.png", "vsn_weights.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
+    top = max(w, key=w.get)
+    assert "VSN mean variable weights" in out and top in out and "TEST AUC" in out
+    assert "model: Perception m=48" in out
+
+
+def test_main_job_full_rejects_bad_arguments(tmp_path):
+    tp = _import_main_job()
+    with pytest.raises(SystemExit):
+        tp.main(["--model", "full", "--heads", "5", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        tp.main(["--model", "full", "--vsn-out", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        tp.main(["--model", "v1", "--out", str(tmp_path)])
+    assert tp.parse_args([]).model == "v0" and tp.parse_args([]).embed_dim == 2
+    assert tp.parse_args(["--model", "full"]).embed_dim == 4
+    assert tp.parse_args(["--model", "full", "--embed-dim", "3"]).embed_dim == 3
