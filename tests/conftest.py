@@ -194,3 +194,17 @@ def run_child_npz(script, xla_flags, path):
         f"child with XLA_FLAGS={xla_flags!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
+
+
+def assert_command_buffers_identical(script, tmp_path):
+    """Runs `script` (see :func:`run_child_npz`) with XLA command buffers off and on (every graph
+    captured); every saved array must be finite and bitwise equal across the two, and repeated runs
+    (keys ending in ``_run<i>``) equal to the first."""
+    off = run_child_npz(script, "--xla_gpu_enable_command_buffer=", tmp_path / "off.npz")
+    on = run_child_npz(script, "--xla_gpu_graph_min_graph_size=1", tmp_path / "on.npz")
+    assert off.keys() == on.keys() and len(off) > 0
+    for k in off:
+        assert np.isfinite(off[k]).all(), k
+        assert np.array_equal(off[k], on[k]), f"{k}: command buffers on/off differ"
+        if "_run" in k and not k.endswith("run0"):
+            assert np.array_equal(on[k], on[k[:-1] + "0"]), f"{k}: differs from the first run"

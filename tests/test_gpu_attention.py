@@ -19,7 +19,7 @@ import pytest
 import jaxfox
 from jaxfox import attention_pool, attention_pool_init
 from jaxfox.reduce import reduce_chunks
-from conftest import run_child_npz
+from conftest import assert_command_buffers_identical
 
 pytestmark = pytest.mark.gpu
 
@@ -245,19 +245,8 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_child(flags, path):
-    return run_child_npz(_CMDBUF_SCRIPT, flags, path)
-
-
 def test_command_buffers_on_off_identical(tmp_path):
-    off = _run_child("--xla_gpu_enable_command_buffer=", tmp_path / "off.npz")
-    on = _run_child("--xla_gpu_graph_min_graph_size=1", tmp_path / "on.npz")
-    assert off.keys() == on.keys() and len(off) > 0
-    for k in off:
-        assert np.isfinite(off[k]).all(), k
-        assert np.array_equal(off[k], on[k]), f"{k}: command buffers on/off differ"
-        if not k.endswith("run0"):
-            assert np.array_equal(on[k], on[k[:-1] + "0"]), f"{k}: differs from the first run"
+    assert_command_buffers_identical(_CMDBUF_SCRIPT, tmp_path)
 
 
 def test_training_loss_falls():

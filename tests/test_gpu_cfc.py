@@ -21,7 +21,7 @@ from jax.test_util import check_grads
 
 import jaxfox
 
-from conftest import np_cfc_scan, random_cfc_params, random_inputs, rel_err, run_child_npz
+from conftest import np_cfc_scan, random_cfc_params, random_inputs, rel_err, assert_command_buffers_identical
 
 if not jaxfox.kernels_available():
     pytest.skip(f"jaxfox CUDA kernels unavailable: {jaxfox.kernels_unavailable_reason()}",
@@ -256,19 +256,8 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_child(flags, path):
-    return run_child_npz(_CMD_BUFFER_SCRIPT, flags, path)
-
-
 def test_command_buffers_on_and_off_identical(tmp_path):
-    off = _run_child("--xla_gpu_enable_command_buffer=", tmp_path / "off.npz")
-    on = _run_child("--xla_gpu_graph_min_graph_size=1", tmp_path / "on.npz")
-    assert off.keys() == on.keys() and len(off) > 0
-    for k in off:
-        assert np.isfinite(off[k]).all(), k
-        assert np.array_equal(off[k], on[k]), f"{k}: command buffers on/off differ"
-        if "_run" in k and not k.endswith("run0"):
-            assert np.array_equal(on[k], on[k[:-1] + "0"]), f"{k}: differs from the first run"
+    assert_command_buffers_identical(_CMD_BUFFER_SCRIPT, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------
