@@ -24,7 +24,12 @@ branch (D = 1) the loss equals rlax ``categorical_double_q_learning`` (google-de
 ("independent" targets in the BDQ paper). Everything is float32; bfloat16 logits are accepted and
 upcast to float32 before any arithmetic.
 
-CUDA kernel: not yet; the pure-JAX reference below is the contract the kernel will match.
+On CUDA, ``ffi/c51.cu`` (target ``jaxfox_c51_loss``) computes the forward pass and the gradient
+wrt logits_tm1 in one kernel (block per sample, a warp per branch; argmax, target softmax,
+projection, log-softmax, cross-entropy and softmax - m); the backward pass only scales that saved
+gradient by the cotangent / D. Branch losses are summed in order d = 0 .. D-1, then divided by D.
+Elsewhere (and for N > 1024 atoms or B = 0) the pure-JAX reference below runs; it is the contract
+the kernel matches to float32 rounding (near-exact argmax ties may resolve differently).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
 
 __all__ = ["branching_dueling_logits", "categorical_projection", "categorical_double_q_loss"]
 
@@ -150,6 +157,58 @@ def _loss_reference(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_
     chosen = jnp.take_along_axis(logits_tm1.astype(f32), a_tm1[:, :, None, None], axis=2)[:, :, 0]
     loss_d = -jnp.sum(m * jax.nn.log_softmax(chosen, axis=-1), axis=-1)       # [B, D]
     return jnp.mean(loss_d, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA kernel path (jaxfox_c51_loss): forward and the saved gradient in one launch.
+_KERNEL_MAX_ATOMS = 1024
+
+
+def _c51_call(with_grad, logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
+    B, D, A, N = logits_tm1.shape
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((B,), f32),
+           jax.ShapeDtypeStruct((B, D, A, N) if with_grad else (0,), f32))
+    return _ffi_call("jaxfox_c51_loss", out, vmap_method="broadcast_all")(
+        logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support)
+
+
+@jax.custom_vjp
+def _loss_kernel_f32(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
+    return _c51_call(False, logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support)[0]
+
+
+def _loss_kernel_fwd(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
+    loss, delta = _c51_call(True, logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support)
+    # a zero-size slice of logits_tm1: no memory, but it carries the input's type under shard_map
+    return loss, (delta, logits_tm1.reshape(-1)[:0])
+
+
+def _loss_kernel_bwd(res, g):
+    delta, logits_like = res
+    D = delta.shape[1]
+    scale = (g.astype(jnp.float32) / D)[:, None, None, None]  # d mean_d / d loss_d = 1 / D
+    (dlogits,) = psum_to_match((scale * delta,), (logits_like,))
+    return (dlogits, None, None, None, None, None, None)  # targets are stop-gradient
+
+
+_loss_kernel_f32.defvjp(_loss_kernel_fwd, _loss_kernel_bwd)
+
+
+def _loss_kernel(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
+    f32 = jnp.float32
+    sg = jax.lax.stop_gradient
+    return _loss_kernel_f32(logits_tm1.astype(f32), a_tm1.astype(jnp.int32), sg(r_t.astype(f32)),
+                            sg(discount_t.astype(f32)), sg(logits_t_target.astype(f32)),
+                            sg(logits_t_online.astype(f32)), sg(support.astype(f32)))
+
+
+def _loss_dispatch(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
+    B, D, A, N = logits_tm1.shape
+    args = (logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support)
+    if B == 0 or N > _KERNEL_MAX_ATOMS:
+        return _loss_reference(*args)
+    return dispatch(_loss_kernel, _loss_reference, *args, batch=(True,) * 6 + (False,))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,4 +346,4 @@ def categorical_double_q_loss(logits_tm1, a_tm1, r_t, discount_t, logits_t_targe
     if jnp.iinfo(a_tm1.dtype).bits < 32:
         a_tm1 = a_tm1.astype(jnp.int32)  # so that A - 1 fits the dtype of the clip
     a_tm1 = jnp.clip(a_tm1, 0, A - 1).astype(jnp.int32)  # clip before a narrowing cast
-    return _loss_reference(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support)
+    return _loss_dispatch(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support)

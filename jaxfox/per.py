@@ -28,7 +28,12 @@ Deviations from the textbook formulas, all chosen so a zero-priority slot can ne
 * IS weights are computed as (q_min / q_k)^beta with q_min the smallest sampled q: the same value
   as the formula above (n and S cancel), no overflow, and the largest weight is exactly 1.
 
-A CUDA kernel for the prefix sum and the draws is planned (issue 4); this module is the reference.
+On CUDA (float32 work dtype, i.e. ``jax_enable_x64`` off) the prefix sum and the draws run in
+``ffi/per.cu``: a multi-block scan (tiles of 2048 items, float64 accumulation, each prefix rounded to
+float32 once; targets ``jaxfox_prefix_sum`` and ``jaxfox_per_sample``) that builds the same
+searchable prefix, then one block for the stratified draws and the weights. The uniforms r_k come
+from ``jax.random`` in Python on both paths, so kernel and reference draw the same indices (up to
+float32 rounding ties of the prefix sums). With ``jax_enable_x64`` on the reference runs.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call
 
 __all__ = [
     "PERState", "init", "add", "sample", "sample_items", "update", "probabilities", "prefix_sum",
@@ -248,7 +255,22 @@ def prefix_sum(x: jax.Array) -> jax.Array:
         return jnp.cumsum(x)
     if x.shape[0] == 0:
         return x
-    return _prefix_sum_df32(x)
+    return dispatch(_prefix_sum_kernel, _prefix_sum_df32, x)
+
+
+_TILE = 2048      # items per block of the kernels in ffi/per.cu
+_REC_FLOATS = 10  # float32 words per tile record of their workspace
+
+
+def _workspace_size(n):
+    return (-(-n // _TILE) + 1) * _REC_FLOATS
+
+
+def _prefix_sum_kernel(x):
+    n = x.shape[0]
+    out = (jax.ShapeDtypeStruct((n,), jnp.float32),
+           jax.ShapeDtypeStruct((_workspace_size(n),), jnp.float32))
+    return _ffi_call("jaxfox_prefix_sum", out, vmap_method="broadcast_all")(x)[0]
 
 
 @jax.jit
@@ -357,15 +379,36 @@ def sample(state: PERState, key, batch_size: int, *, alpha, beta):
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def _sample_impl(priorities, size, key, B, alpha, beta):
+    dt = _work_dtype()
+    r = jax.random.uniform(key, (B,), dt)
+    if dt == jnp.float64:
+        return _sample_reference(priorities, size, r, alpha, beta)
+    f32 = jnp.float32
+    return dispatch(_sample_kernel, _sample_reference, priorities, jnp.asarray(size, jnp.int32), r,
+                    jnp.asarray(alpha, f32), jnp.asarray(beta, f32))
+
+
+def _sample_kernel(priorities, size, r, alpha, beta):
+    C, B = priorities.shape[0], r.shape[0]
+    out = (jax.ShapeDtypeStruct((B,), jnp.int32),                    # indices
+           jax.ShapeDtypeStruct((B,), jnp.float32),                  # weights
+           jax.ShapeDtypeStruct((C,), jnp.float32),                  # workspace: searchable prefix
+           jax.ShapeDtypeStruct((_workspace_size(C),), jnp.float32))  # workspace: tile records
+    idx, w, _, _ = _ffi_call("jaxfox_per_sample", out, vmap_method="broadcast_all")(
+        priorities, size, alpha, beta, r)
+    return idx, w
+
+
+def _sample_reference(priorities, size, r, alpha, beta):
     state = PERState(priorities, None, size, None)
     C = priorities.shape[0]
+    B = r.shape[0]
     dt = _work_dtype()
     q = _scores(state, alpha)
     c = _searchable_prefix(q)
     total = c[-1]
     slots = jnp.arange(C, dtype=jnp.int32)
     last_pos = jnp.max(jnp.where(q > 0, slots, 0))
-    r = jax.random.uniform(key, (B,), dt)
     frac = (jnp.arange(B, dtype=dt) + r) / B  # in [k/B, (k+1)/B)
     idx_p = jnp.minimum(jnp.searchsorted(c, frac * total, side="right").astype(jnp.int32), last_pos)
     n = state.size.astype(dt)
