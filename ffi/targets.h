@@ -5,7 +5,12 @@
 
 #define JAXFOX_TARGETS(X)   \
   X(jaxfox_reduce_axis0)    \
+  X(jaxfox_grouped_gemm)    \
+  X(jaxfox_grouped_wgrad)   \
   X(jaxfox_cfc_fwd)         \
+  X(jaxfox_c51_loss)        \
+  X(jaxfox_prefix_sum)      \
+  X(jaxfox_per_sample)      \
   X(jaxfox_cfc_bwd)         \
   X(jaxfox_attention_pool_fwd) \
   X(jaxfox_attention_pool_bwd)

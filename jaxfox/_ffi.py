@@ -21,7 +21,7 @@ import threading
 
 import jax
 
-__all__ = ["kernels_available", "kernels_unavailable_reason", "use_reference", "dispatch"]
+__all__ = ["kernels_available", "kernels_unavailable_reason", "use_reference", "dispatch", "ffi_call", "psum_to_match"]
 
 
 def _make_reference_state():
@@ -131,11 +131,113 @@ def use_reference():
         _local.reference -= 1
 
 
-def dispatch(kernel_fn, reference_fn, *args):
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes over which ``x``'s value varies (its type's "vma"; empty outside shard_map)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.11: ShapedArray.mat.varying
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())  # older spelling
+
+
+def ffi_call(target_name, result_shape_dtypes, **kwargs):
+    """``jax.ffi.ffi_call`` whose results are typed as varying over the mesh axes its operands vary over.
+
+    Inside ``jax.shard_map`` (with ``check_vma``), JAX's ``ffi_call`` (0.11) types its results as
+    device-invariant whatever its operands, so they would not match the reference path's types (or the
+    cotangent types of a ``custom_vjp``); this casts them (``jax.lax.pcast(..., to="varying")``, no data
+    movement) to the union of the operands' varying axes. Outside shard_map it is ``jax.ffi.ffi_call``.
+    """
+    call = jax.ffi.ffi_call(target_name, result_shape_dtypes, **kwargs)
+
+    def wrapped(*args, **attrs):
+        vma = frozenset().union(*(_varying_axes(a) for a in jax.tree.leaves(args)))
+        out = call(*args, **attrs)
+        if not vma:
+            return out
+
+        def cast(o):
+            missing = tuple(sorted(vma - _varying_axes(o)))
+            return jax.lax.pcast(o, missing, to="varying") if missing else o
+
+        return jax.tree.map(cast, out)
+
+    return wrapped
+
+
+def psum_to_match(cts, primals):
+    """Cotangents of a ``custom_vjp`` over FFI calls, summed over the mesh axes along which they vary but
+    their primal inputs do not (inside ``jax.shard_map``; the identity elsewhere).
+
+    A replicated (device-invariant) input used by every device's rows, such as the parameters, gets one
+    partial cotangent per device from the backward kernel; its cotangent is their sum (``jax.lax.psum``,
+    the transpose of the implicit broadcast). ``cts`` and ``primals`` are matching tuples; None and
+    integer entries are passed through.
+    """
+    out = []
+    for ct, primal in zip(cts, primals):
+        if ct is not None and primal is not None:
+            extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+            if extra:
+                ct = jax.lax.psum(ct, extra)
+        out.append(ct)
+    return tuple(out)
+
+
+def _explicit_batch_axes(args, batch):
+    """The explicit mesh axes that split the leading (batch) axis of the ``batch`` args, or None.
+
+    Read from the arguments' types (``jax.typeof(x).sharding``), which carry a sharding only for
+    meshes with Explicit axes (``jax.make_mesh``'s default); the first batch leaf that is split wins.
+    """
+    from jax.sharding import AxisType
+
+    for arg, is_batch in zip(args, batch):
+        if not is_batch:
+            continue
+        for leaf in jax.tree.leaves(arg):
+            sharding = getattr(jax.typeof(leaf), "sharding", None)
+            mesh = getattr(sharding, "mesh", None)
+            if mesh is None or mesh.empty or not len(sharding.spec) or sharding.spec[0] is None:
+                continue
+            axes = sharding.spec[0]
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            types = dict(zip(mesh.axis_names, mesh.axis_types))
+            if axes and all(types.get(a) == AxisType.Explicit for a in axes):
+                return mesh, axes
+    return None
+
+
+def dispatch(kernel_fn, reference_fn, *args, batch=None):
     """``kernel_fn(*args)`` when compiled for CUDA with kernels available, else ``reference_fn(*args)``.
 
     Both must return the same pytree of shapes and dtypes.
+
+    ``batch`` (batch-parallel ops): one bool per argument, True where every leaf has the batch as its
+    leading axis, False where the argument is replicated (parameters); every output then has the batch
+    leading. When the batch arguments are split over Explicit mesh axes (``jax.make_mesh`` /
+    ``jax.set_mesh`` sharding-in-types), the op runs under ``jax.shard_map`` over those axes: each device
+    computes its own rows with the kernels (nothing of the batch is gathered), and the gradients of the
+    replicated arguments are summed over the devices by shard_map's transpose (one all-reduce). Under
+    Auto axes, wrap the step in ``jax.shard_map`` yourself (:mod:`jaxfox.sharding`).
     """
-    if not kernels_available():
-        return reference_fn(*args)
-    return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)
+    def run(*a):
+        if not kernels_available():
+            return reference_fn(*a)
+        return jax.lax.platform_dependent(*a, cuda=kernel_fn, default=reference_fn)
+
+    found = _explicit_batch_axes(args, batch) if batch is not None else None
+    if found is None:
+        return run(*args)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh, axes = found
+    split = PartitionSpec(axes)
+    in_specs = tuple(split if b else PartitionSpec() for b in batch)
+    # every batch leaf split over the same axes, every other argument whole on each device
+    args = tuple(jax.tree.map(lambda x, spec=spec: jax.reshard(x, NamedSharding(mesh, spec)), a)
+                 for a, spec in zip(args, in_specs))
+    # check_vma=False: FFI calls do not type their results as device-varying; shard_map's transpose then
+    # sums the cotangents of the replicated arguments over the axes explicitly (one psum each).
+    return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=split, axis_names=set(axes),
+                         check_vma=False)(*args)

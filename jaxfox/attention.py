@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["attention_pool_init", "attention_pool"]
@@ -204,7 +204,7 @@ def _fwd_call(cfg, wflat, hs, mask):
            jax.ShapeDtypeStruct((B, n, T), f32),   # alpha
            jax.ShapeDtypeStruct((B, n, H), f32),   # residual c_j = sum_t alpha[j, t] h_t
            jax.ShapeDtypeStruct((B, H), f32))      # residual pv (pooled before W_o)
-    return jax.ffi.ffi_call("jaxfox_attention_pool_fwd", out, vmap_method="broadcast_all")(
+    return _ffi_call("jaxfox_attention_pool_fwd", out, vmap_method="broadcast_all")(
         wflat, hs, mask, **_attrs(cfg))
 
 
@@ -232,10 +232,10 @@ def _pool_kernel_bwd(cfg, res, cts):
            jax.ShapeDtypeStruct((B, (3 + n) * H), f32),                      # workspace: per-sample factors
            jax.ShapeDtypeStruct((B, n, T), f32),                             # workspace: softmax backward
            jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))    # workspace: chunk partials
-    dw, dhs, *_ = jax.ffi.ffi_call("jaxfox_attention_pool_bwd", out, vmap_method="broadcast_all")(
+    dw, dhs, *_ = _ffi_call("jaxfox_attention_pool_bwd", out, vmap_method="broadcast_all")(
         wflat, hs, mask, alpha, c, pv, dpooled.astype(f32), dalpha.astype(f32),
         chunks=np.int64(chunks), **_attrs(cfg))
-    return dw, dhs, None
+    return psum_to_match((dw, dhs, None), (wflat, hs, None))
 
 
 _pool_kernel.defvjp(_pool_kernel_fwd, _pool_kernel_bwd)
@@ -253,7 +253,7 @@ def _dispatch(cfg, params, hs, mask):
     B, T, _ = hs.shape
     if B == 0 or T == 0 or cfg.tile_t < 1:
         return reference(params, hs, mask)
-    return dispatch(kernel, reference, params, hs, mask)
+    return dispatch(kernel, reference, params, hs, mask, batch=(False, True, True))
 
 
 def attention_pool(params, hs, mask=None, *, num_heads=4):

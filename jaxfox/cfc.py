@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import cuda_compute_capability, dispatch
+from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
@@ -248,7 +248,7 @@ def _fwd_call(cfg, wflat, xs, ts, h0):
     out = (jax.ShapeDtypeStruct((B, T, cfg.hidden_size), f32),
            jax.ShapeDtypeStruct((B, T, cfg.layers * cfg.units), f32),
            jax.ShapeDtypeStruct((B, T, _n_heads(cfg) * cfg.hidden_size), f32))
-    return jax.ffi.ffi_call("jaxfox_cfc_fwd", out, vmap_method="broadcast_all")(xs, ts, h0, wflat, **_attrs(cfg))
+    return _ffi_call("jaxfox_cfc_fwd", out, vmap_method="broadcast_all")(xs, ts, h0, wflat, **_attrs(cfg))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -275,9 +275,9 @@ def _scan_kernel_bwd(cfg, res, dhs):
            jax.ShapeDtypeStruct((B, T, _n_heads(cfg) * cfg.hidden_size), f32),  # workspace: heads d(pre-act)
            jax.ShapeDtypeStruct((B, P), f32),                                  # workspace: per-sample partials
            jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))      # workspace: reduce_axis0
-    dw, dxs, dts, dh0, *_ = jax.ffi.ffi_call("jaxfox_cfc_bwd", out, vmap_method="broadcast_all")(
+    dw, dxs, dts, dh0, *_ = _ffi_call("jaxfox_cfc_bwd", out, vmap_method="broadcast_all")(
         xs, ts, h0, wflat, hs, acts, pre, dhs, chunks=np.int64(chunks), **_attrs(cfg))
-    return dw, dxs, dts, dh0
+    return psum_to_match((dw, dxs, dts, dh0), (wflat, xs, ts, h0))
 
 
 _scan_kernel.defvjp(_scan_kernel_fwd, _scan_kernel_bwd)
@@ -293,7 +293,7 @@ def _scan_dispatch(cfg, params, xs, ts, h0):
     if (cfg.layers > _MAX_KERNEL_LAYERS or cfg.hidden_size > _kernel_hidden_limit()
             or xs.shape[0] == 0 or xs.shape[1] == 0):
         return reference(params, xs, ts, h0)
-    return dispatch(kernel, reference, params, xs, ts, h0)
+    return dispatch(kernel, reference, params, xs, ts, h0, batch=(False, True, True, True))
 
 
 def _prepare_ts(ts, B, T):

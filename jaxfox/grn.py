@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call
 from jaxfox.reduce import reduce_chunks
 
 # The CUDA kernels for this op (ffi/grn.cu, ffi/vsn.cu) are not part of the package yet: on the H200
@@ -378,7 +378,7 @@ def _grn_fwd_call(cfg, w, a, c):
            jax.ShapeDtypeStruct((R, 2 * lay.O4), f32),     # g = [g4 | g5]
            jax.ShapeDtypeStruct((R, lay.O4), f32),         # xhat
            jax.ShapeDtypeStruct((R,), f32))                # rstd
-    return jax.ffi.ffi_call("jaxfox_grn_fwd", out, vmap_method="broadcast_all")(
+    return _ffi_call("jaxfox_grn_fwd", out, vmap_method="broadcast_all")(
         w, a, c, eps=np.float32(cfg.eps), **_grn_attrs(cfg))
 
 
@@ -402,7 +402,7 @@ def _grn_kernel_bwd(cfg, res, dy):
            jax.ShapeDtypeStruct(c.shape, c.dtype),                   # dc
            jax.ShapeDtypeStruct((S, P), f32),                        # workspace: chunk partials
            jax.ShapeDtypeStruct((rc * P if rc > 1 else 0,), f32))    # workspace: reduce_axis0
-    dw, da, dc, _, _ = jax.ffi.ffi_call("jaxfox_grn_bwd", out, vmap_method="broadcast_all")(
+    dw, da, dc, _, _ = _ffi_call("jaxfox_grn_bwd", out, vmap_method="broadcast_all")(
         w, _transpose_flat(lay, w), a, c, eta2, eta1, g, xhat, rstd, dy.astype(f32),
         chunks=np.int64(S), reduce_chunks=np.int64(rc), **_grn_attrs(cfg))
     return dw, da, dc
@@ -470,5 +470,6 @@ def grn(params, a, context=None, *, eps=1e-5):
     def kernel(params, a2, c2):
         return _grn_kernel(cfg, _flatten(lay, params), a2, c2)
 
-    y = reference(params, a2, c2) if cfg is None or not _KERNELS_ENABLED else dispatch(kernel, reference, params, a2, c2)
+    use_kernel = cfg is not None and _KERNELS_ENABLED
+    y = dispatch(kernel if use_kernel else reference, reference, params, a2, c2, batch=(False, True, True))
     return y.reshape(lead + (O,))

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call
 
 __all__ = ["reduce_axis0", "reduce_chunks"]
 
@@ -26,7 +26,7 @@ def reduce_chunks(batch: int, size: int) -> int:
 def _reduce_kernel(x):
     batch, size = x.shape[-2:]
     chunks = reduce_chunks(batch, size)
-    out, _ = jax.ffi.ffi_call(
+    out, _ = _ffi_call(
         "jaxfox_reduce_axis0",
         (jax.ShapeDtypeStruct((size,), jnp.float32),
          jax.ShapeDtypeStruct((chunks * size if chunks > 1 else 0,), jnp.float32)),

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call
 from jaxfox.grn import (
     _check_context, _check_eps, _check_input, _common_dtype, _flatten, _grn_reference, _grn_sizes,
     _best_split, _layout, _Layout, _MAX_PARTIAL_FLOATS, _positive_int, _smem_bytes, _tile_rows, _transpose_flat, _wave,
@@ -181,7 +181,7 @@ def _vsn_fwd_call(cfg, wsel, wvar, xs, c):
            jax.ShapeDtypeStruct((R, sel.O4), f32),              # GRN_v xhat
            jax.ShapeDtypeStruct((R,), f32),                     # GRN_v rstd
            jax.ShapeDtypeStruct((G * R * var.O if G > 1 else 0,), f32))  # workspace: group sums
-    return jax.ffi.ffi_call("jaxfox_vsn_fwd", out, vmap_method="broadcast_all")(
+    return _ffi_call("jaxfox_vsn_fwd", out, vmap_method="broadcast_all")(
         wsel, wvar, xs, c, groups=np.int64(G), **_vsn_attrs(cfg))
 
 
@@ -217,7 +217,7 @@ def _vsn_kernel_bwd(cfg, res, cts):
            jax.ShapeDtypeStruct((Sv, Pv), f32),                           # workspace: partials (var)
            jax.ShapeDtypeStruct((rcs * Ps if rcs > 1 else 0,), f32),      # workspace: reduce (sel)
            jax.ShapeDtypeStruct((rcv * Pv if rcv > 1 else 0,), f32))      # workspace: reduce (var)
-    dwsel, dwvar, dxs, dc, *_ = jax.ffi.ffi_call("jaxfox_vsn_bwd", out, vmap_method="broadcast_all")(
+    dwsel, dwvar, dxs, dc, *_ = _ffi_call("jaxfox_vsn_bwd", out, vmap_method="broadcast_all")(
         wsel, wsel_t, wvar, wvar_t, xs, c, v, eta2, eta1, g, xhat, rstd, dout.astype(f32), dv.astype(f32),
         chunks_sel=np.int64(Ss), chunks_var=np.int64(Sv), reduce_chunks_sel=np.int64(rcs),
         reduce_chunks_var=np.int64(rcv), **_vsn_attrs(cfg))
@@ -268,12 +268,13 @@ def vsn(params, xs, context=None, *, eps=1e-5):
 
     def reference(params, xs, c2):
         out, v = _vsn_reference(params, xs, c2 if C else None, eps)
-        return out.reshape(R, O), v.reshape(R, m)
+        return out.reshape(-1, O), v.reshape(-1, m)  # -1: the local rows under shard_map
 
     def kernel(params, xs, c2):
         return _vsn_kernel(cfg, _flatten(cfg.sel, params["selection"]), _flatten_vars(cfg.var, params["variables"]),
-                           xs.reshape(R, m * d), c2)
+                           xs.reshape(xs.shape[0], m * d), c2)
 
     xs_r = xs.reshape((R, m, d))
-    out, v = reference(params, xs_r, c2) if cfg is None or not _KERNELS_ENABLED else dispatch(kernel, reference, params, xs_r, c2)
+    use_kernel = cfg is not None and _KERNELS_ENABLED
+    out, v = dispatch(kernel if use_kernel else reference, reference, params, xs_r, c2, batch=(False, True, True))
     return out.reshape(lead + (O,)), v.reshape(lead + (m,))

@@ -40,9 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxfox
 from jaxfox import per
+from jaxfox.sharding import AXIS, batch_mesh, check_divisible
 
 __all__ = [
     "BranchingC51", "support", "forward", "q_values", "greedy_actions", "epsilon_greedy", "AgentState",
@@ -228,7 +230,7 @@ def batch_loss(online, target, batch: Transition, weights, dan, z, *, bf16=True)
     return jnp.mean(weights * loss), loss
 
 
-def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_eps=1e-3, bf16=True):
+def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_eps=1e-3, bf16=True, mesh=None):
     """The full DQN update as ONE pure function ``update(state, key, beta) -> (state, info)``; jit it.
 
     Steps: (idx, w) = per.sample(buffer, key, B, alpha, beta); batch = per.sample_items(buffer, idx);
@@ -237,12 +239,33 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     (tau = weight of the online params); priorities of the sampled slots <- loss_b + priority_eps.
     info = {"loss": weighted mean loss, "loss_unweighted": mean loss_b, "indices": [B] sampled slots,
     "loss_b": [B] per-sample loss}.
+
+    Data parallel over ``mesh`` (a mesh with an axis "batch"; default: all local devices,
+    :func:`jaxfox.sharding.batch_mesh`): the whole update runs in one ``jax.shard_map`` in which every
+    device holds the whole (replicated) agent state and draws the same B indices; device i then computes
+    the loss and gradient of rows [i B / N, (i + 1) B / N) only, and exactly two collectives follow: one
+    all-reduce (mean) of the gradient and the loss, and one all-gather of the per-sample losses [B] for the
+    priority update. The optimizer, EMA and priority updates then run identically on every device, so
+    the state stays replicated. No observation is gathered: each device reads its rows from its own copy.
+
+    Raises:
+      ValueError: ``batch_size`` is not divisible by the number of devices in the mesh.
     """
-    def update(state: AgentState, key, beta):
+    mesh = batch_mesh() if mesh is None else mesh
+    check_divisible("batch_size", batch_size, mesh)
+    n_dev = mesh.shape[AXIS]
+    local = batch_size // n_dev
+
+    def body(state: AgentState, key, beta):
         idx, w = per.sample(state.buffer, key, batch_size, alpha=alpha, beta=beta)
-        batch = per.sample_items(state.buffer, idx)
-        (lw, loss_b), grads = jax.value_and_grad(
-            lambda p: batch_loss(p, state.target, batch, w, dan, z, bf16=bf16), has_aux=True)(state.online)
+        start = jax.lax.axis_index(AXIS) * local
+        idx_l = jax.lax.dynamic_slice_in_dim(idx, start, local)
+        w_l = jax.lax.dynamic_slice_in_dim(w, start, local)
+        batch = per.sample_items(state.buffer, idx_l)
+        (lw, loss_l), grads = jax.value_and_grad(
+            lambda p: batch_loss(p, state.target, batch, w_l, dan, z, bf16=bf16), has_aux=True)(state.online)
+        grads, lw = jax.lax.pmean((grads, lw), AXIS)        # one all-reduce
+        loss_b = jax.lax.all_gather(loss_l, AXIS, tiled=True)  # [B] in batch order
         updates, opt_state = opt.update(grads, state.opt, state.online)
         online = optax.apply_updates(state.online, updates)
         target = jaxfox.ema_update(state.target, online, tau)
@@ -250,4 +273,7 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
         new = AgentState(online, target, opt_state, buf, state.step + 1)
         return new, {"loss": lw, "loss_unweighted": jnp.mean(loss_b), "indices": idx, "loss_b": loss_b}
 
+    # check_vma=False: everything but the rows is replicated by construction (same inputs, same key, and the
+    # gradient and losses made identical by the collectives above).
+    update = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     return update

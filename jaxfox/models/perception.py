@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox.models.perception_v0 import make_optimizer
+from jaxfox.models.perception_v0 import data_parallel_step, make_optimizer
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 
@@ -126,13 +126,17 @@ def loss_fn(model: Perception, x, y):
     return optax.sigmoid_binary_cross_entropy(logits, y).mean()
 
 
-@nnx.jit
-def train_step(model: Perception, optimizer: nnx.Optimizer, x, y):
+@nnx.jit(static_argnames=("mesh",))
+def train_step(model: Perception, optimizer: nnx.Optimizer, x, y, *, mesh=None):
     """One optimizer step on x [B, T, m], y [B]; updates model and optimizer in place; returns the
-    batch's mean BCE before the update (float32 scalar)."""
-    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-    optimizer.update(model, grads)
-    return loss
+    batch's mean BCE before the update (float32 scalar).
+
+    Data parallel over ``mesh`` (default: all local devices), as :func:`jaxfox.models.perception_v0.train_step`.
+
+    Raises:
+      ValueError: B is not divisible by the number of devices in the mesh.
+    """
+    return data_parallel_step(model, optimizer, x, y, mesh, loss=loss_fn)
 
 
 @nnx.jit

@@ -25,12 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxfox.nn import CfC
+from jaxfox.sharding import batch_mesh, batch_sharding, check_divisible, data_parallel_value_and_grad
 
 __all__ = [
     "DEFAULTS", "PerceptionV0", "make_model", "make_optimizer", "loss_fn", "train_step", "predict_logits", "evaluate",
-    "benchmark_step",
+    "benchmark_step", "data_parallel_step",
 ]
 
 
@@ -112,19 +114,40 @@ def loss_fn(model: PerceptionV0, x, y):
     return optax.sigmoid_binary_cross_entropy(model(x), y).mean()
 
 
-def _step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+def data_parallel_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh=None, loss=None):
+    """One optimizer step, data parallel over ``mesh`` (default: all local devices); call it inside ``nnx.jit``.
+
+    Every device computes ``loss(model, x_shard, y_shard)`` (a batch mean) and its gradient on batch / N rows
+    (``jaxfox.sharding.data_parallel_value_and_grad``: one all-reduce of the loss and of the gradient, no
+    gather of the batch); the averaged gradient updates ``model`` and ``optimizer`` in place, identically on
+    every device. Returns the global mean loss before the update. ``loss`` defaults to :func:`loss_fn`.
+
+    Raises:
+      ValueError: the batch (x's leading axis) is not divisible by the number of devices in ``mesh``.
+    """
+    loss = loss_fn if loss is None else loss
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def local(params, rest, x, y):
+        return loss(nnx.merge(graphdef, params, rest), x, y)
+
+    value, grads = data_parallel_value_and_grad(local, mesh, batch_argnums=(2, 3))(params, rest, x, y)
     optimizer.update(model, grads)
-    return loss
+    return value
 
 
-@nnx.jit
-def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y):
+@nnx.jit(static_argnames=("mesh",))
+def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, *, mesh=None):
     """One AdamW step on a batch x [B, T, m], y [B]; updates ``model`` and ``optimizer`` in place.
 
-    Returns the batch's mean BCE before the update (float32 scalar).
+    Data parallel over ``mesh`` (a ``jax.sharding.Mesh`` with an axis "batch"; default: all local devices,
+    :func:`jaxfox.sharding.batch_mesh`), see :func:`data_parallel_step`. Returns the batch's mean BCE
+    before the update (float32 scalar).
+
+    Raises:
+      ValueError: B is not divisible by the number of devices in the mesh.
     """
-    return _step(model, optimizer, x, y)
+    return data_parallel_step(model, optimizer, x, y, mesh)
 
 
 @nnx.jit
@@ -159,11 +182,13 @@ def evaluate(model: PerceptionV0, x, y, *, batch_size: int = 256) -> tuple[float
 
 def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *, hidden: int = DEFAULTS["hidden"],
                    embed_dim: int = DEFAULTS["embed_dim"], backbone_units: int = DEFAULTS["backbone_units"],
-                   seed: int = 0):
+                   seed: int = 0, mesh=None):
     """A whole training step as a pure function, for the benchmark harness (which jits and loops it).
 
     The model and optimizer are the main job's (:data:`DEFAULTS`); the main job also adds input noise to
-    each batch on the host, which is not part of this step.
+    each batch on the host, which is not part of this step. The step is data parallel over ``mesh``
+    (default: all local devices; see :func:`data_parallel_step`): the batch is placed split over the mesh's
+    "batch" axis and the state replicated, so ``batch`` is the global batch (divisible by the mesh size).
 
     Returns:
       ``(step_fn, state, batch)``: ``step_fn(state, batch) -> (state, loss)`` is un-jitted and pure;
@@ -177,10 +202,14 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
     kx, ky = jax.random.split(jax.random.key(seed + 1))
     data = (jax.random.normal(kx, (batch, window, num_features), jnp.float32),
             jax.random.bernoulli(ky, 0.5, (batch,)).astype(jnp.float32))
+    mesh = batch_mesh() if mesh is None else mesh
+    check_divisible("batch", batch, mesh)
+    data = jax.device_put(data, batch_sharding(mesh))
+    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
 
     def step_fn(state, batch):
         model, optimizer = nnx.merge(graphdef, state, copy=True)  # copy: never mutate the caller's state
-        loss = _step(model, optimizer, *batch)
+        loss = data_parallel_step(model, optimizer, *batch, mesh)
         return nnx.state((model, optimizer)), loss
 
     return step_fn, state, data

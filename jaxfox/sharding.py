@@ -1,0 +1,112 @@
+"""Data parallelism over a device mesh: the same step on every device, each on its slice of the batch.
+
+jaxfox's kernels are batch-parallel (block per sample), so data parallelism needs no kernel support:
+inside ``jax.shard_map`` every FFI call sees its device's local batch, and the parameter gradient of
+a shard (reduced over the local rows by the deterministic ``reduce_axis0``) is combined across
+devices with ``jax.lax.pmean``. Nothing of the batch is gathered: the only collectives are the
+all-reduce of the loss and of the gradient (one value per parameter).
+
+Reduction order: a gradient on N devices is ``(sum over devices of the local mean gradients) / N``.
+It equals the one-device mean gradient up to float32 rounding, and for a fixed N (and device
+order) it is bitwise reproducible, since the local reduction is deterministic and the all-reduce of
+N values is done in a fixed order for a fixed topology.
+
+Usage (a plain optax step)::
+
+    mesh = jaxfox.sharding.batch_mesh()                  # all local devices, axis "batch"
+    vg = jaxfox.sharding.data_parallel_value_and_grad(loss_fn, mesh)
+    loss, grads = vg(params, x, y)                       # x, y [B, ...], B divisible by mesh size
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = ["batch_mesh", "batch_sharding", "check_divisible", "data_parallel_value_and_grad"]
+
+AXIS = "batch"
+
+
+def batch_mesh(devices=None, *, axis_name: str = AXIS) -> Mesh:
+    """A one-axis mesh over ``devices`` (default: every local device of the default backend).
+
+    Raises:
+      ValueError: ``devices`` is empty.
+    """
+    devices = jax.local_devices() if devices is None else list(devices)
+    if len(devices) == 0:
+        raise ValueError("batch_mesh: devices must name at least one device, got none")
+    return Mesh(np.array(devices), (axis_name,))
+
+
+def batch_sharding(mesh: Mesh, *, axis_name: str = AXIS) -> NamedSharding:
+    """Sharding of an array whose leading axis is the batch: split over ``axis_name``, the rest whole."""
+    return NamedSharding(mesh, P(axis_name))
+
+
+def check_divisible(name: str, batch: int, mesh: Mesh, *, axis_name: str = AXIS) -> None:
+    """Raises ValueError naming ``name`` when ``batch`` does not split evenly over the mesh axis."""
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh must have an axis named {axis_name!r}, got axes {tuple(mesh.axis_names)}")
+    n = mesh.shape[axis_name]
+    if batch % n:
+        raise ValueError(f"{name}: the batch axis ({batch}) must be divisible by the {n} devices of the mesh "
+                         f"axis {axis_name!r}; pass a smaller mesh (jaxfox.sharding.batch_mesh(devices)) or "
+                         "another batch size")
+
+
+def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: str = AXIS, batch_argnums=(1,),
+                                 has_aux: bool = False):
+    """Data-parallel ``jax.value_and_grad(fun)`` over the batch axis of a mesh.
+
+    Args:
+      fun: ``fun(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``), where ``loss`` is a
+        float32 scalar that is a MEAN over the batch rows of the batch arguments. ``aux`` is a pytree of
+        per-row arrays (leading axis = the local batch), returned concatenated over devices in batch order.
+      mesh: a mesh with an axis ``axis_name`` (default: :func:`batch_mesh`, all local devices).
+      batch_argnums: positions (in ``fun``'s signature, params = 0) of the arguments whose every leaf
+        has the batch as its leading axis; they are split over the devices. The other arguments, and
+        ``params``, are replicated.
+
+    Returns:
+      ``g(params, *args) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``): the global mean
+      loss and its gradient with respect to ``params`` (same pytree), replicated. Call it inside
+      ``jax.jit``; each device runs ``fun`` on batch / N rows (see the module docstring for the reduction).
+
+    Raises:
+      ValueError: at trace time, when a batch argument's leading axis is not divisible by the number
+        of devices on ``axis_name`` (the message names the argument), or ``batch_argnums`` names params.
+    """
+    mesh = batch_mesh(axis_name=axis_name) if mesh is None else mesh
+    batch_argnums = tuple(int(i) for i in batch_argnums)
+    if 0 in batch_argnums:
+        raise ValueError("batch_argnums: position 0 is params, which are replicated, not split")
+
+    def wrapped(params, *args):
+        for i in batch_argnums:
+            for path, leaf in jax.tree_util.tree_leaves_with_path(args[i - 1]):
+                if np.ndim(leaf) == 0:
+                    raise ValueError(f"argument {i}{jax.tree_util.keystr(path)}: a batch argument needs a leading "
+                                     "batch axis, got a scalar")
+                check_divisible(f"argument {i}{jax.tree_util.keystr(path)}", np.shape(leaf)[0], mesh,
+                                axis_name=axis_name)
+
+        def body(params, *args):
+            # A per-device (varying) copy of the params: value_and_grad then gives this shard's gradient,
+            # which is averaged explicitly (pmean) in one all-reduce per leaf.
+            pv = jax.lax.pcast(params, axis_name, to="varying")
+            out, grads = jax.value_and_grad(fun, has_aux=has_aux)(pv, *args)
+            grads = jax.lax.pmean(grads, axis_name)
+            if has_aux:
+                loss, aux = out
+                return (jax.lax.pmean(loss, axis_name), aux), grads
+            return jax.lax.pmean(out, axis_name), grads
+
+        in_specs = (P(),) + tuple(P(axis_name) if (i + 1) in batch_argnums else P() for i in range(len(args)))
+        out_specs = ((P(), P(axis_name)), P()) if has_aux else (P(), P())
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(params, *args)
+
+    return wrapped
