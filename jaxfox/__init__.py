@@ -9,7 +9,10 @@ from jaxfox.c51 import branching_dueling_logits, categorical_double_q_loss, cate
 from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
 from jaxfox import optim, per
 from jaxfox.optim import FlatParams, cast_bf16, ema_update, fused_adamw
+from jaxfox.gemm import grouped_matmul, grouped_matmul_stacked
 from jaxfox.grn import grn, grn_init
+from jaxfox.losses import cql_penalty, expectile_loss, quantile_embedding, quantile_huber_loss
+from jaxfox.concurrency import concurrent_command_buffers_enabled, enable_concurrent_command_buffers
 from jaxfox.reduce import reduce_axis0
 from jaxfox.vsn import vsn, vsn_init
 
@@ -23,6 +26,9 @@ __all__ = [
     "branching_dueling_logits", "categorical_double_q_loss", "categorical_projection",
     "per", "optim", "FlatParams", "fused_adamw", "ema_update", "cast_bf16",
     "grn_init", "grn", "vsn_init", "vsn",
+    "grouped_matmul", "grouped_matmul_stacked",
+    "expectile_loss", "quantile_huber_loss", "quantile_embedding", "cql_penalty",
+    "enable_concurrent_command_buffers", "concurrent_command_buffers_enabled",
 ]
 
 

@@ -32,7 +32,9 @@ path where the kernels are unavailable) reuses the compiled program.
 Adding a row: write a function ``case(size) -> list[Variant]`` in :mod:`jaxfox.bench.cases` and
 decorate it with ``@register("name")``. A :class:`Variant`'s ``setup()`` returns a :class:`CaseSpec`
 ``(kernel_builder, reference_builder, inputs, bytes, flops)``; a builder is a zero-argument callable
-returning the op ``f(*inputs)``, called inside the path's context.
+returning the op ``f(*inputs)``, called inside the path's context. A case function may carry a
+``summarize`` attribute, ``rows -> str``: called with the case's rows after they ran, its text is
+printed (before the table) and it may add fields to the rows (e.g. the aux_step timing breakdown).
 """
 
 from __future__ import annotations
@@ -437,6 +439,7 @@ def run_cases(names: list[str], size: str, **kw) -> tuple[list[dict], list[dict]
     for name in names:
         if name not in REGISTRY:
             raise ValueError(f"--ops: unknown case {name!r}; known: {', '.join(REGISTRY)}")
+        first_row = len(rows)
         for v in REGISTRY[name](size):
             try:
                 rows.append(run_variant(v, **kw))
@@ -451,6 +454,11 @@ def run_cases(names: list[str], size: str, **kw) -> tuple[list[dict], list[dict]
                 print(msg, flush=True)
                 skipped.append({"case": v.case, "shape": v.label, "status": "failed",
                                 "reason": f"{type(e).__name__}: {e}"})
+        summarize = getattr(REGISTRY[name], "summarize", None)   # optional: rows -> text (may annotate rows)
+        if summarize is not None and len(rows) > first_row:
+            text = summarize(rows[first_row:])
+            log(text)
+            print(text, flush=True)
     copy_gbps = next((r["reference"]["gbps"] for r in rows if r["case"] == "copy"), None)
     for r in rows:
         r["copy_gbps"] = copy_gbps

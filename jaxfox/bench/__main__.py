@@ -36,6 +36,8 @@ def _parse(argv):
     p.add_argument("--json", metavar="PATH", help="write all rows with raw numbers as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the speed-ups")
     p.add_argument("--quiet", action="store_true", help="no progress lines (stderr)")
+    p.add_argument("--concurrent", action="store_true",
+                   help="set --xla_gpu_command_buffer_scheduling_mode=CONCURRENT (jaxfox.enable_concurrent_command_buffers)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -62,6 +64,10 @@ def main(argv=None) -> int:
         if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
+    if args.concurrent:
+        import jaxfox
+
+        jaxfox.enable_concurrent_command_buffers()
     env = environment()
     print(format_header(env), flush=True)
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfox.bench import CaseSpec, SkipCase, Variant, register
+from jaxfox.sharding import batch_mesh
 
 
 def _normal(seed, shape):
@@ -134,9 +135,10 @@ def perception_case(size: str) -> list[Variant]:
             make = perception_v0.benchmark_step
         except (ImportError, AttributeError) as e:
             raise SkipCase(f"jaxfox.models.perception_v0.benchmark_step unavailable: {e}") from e
-        step_fn, state, batch = make(**kw)
+        one = batch_mesh(jax.local_devices()[:1])
+        step_fn, state, batch = make(**kw, mesh=one)
         kernel_builder = lambda: step_fn  # noqa: E731
-        reference_builder = lambda: make(**kw)[0]  # noqa: E731  (built again inside use_reference())
+        reference_builder = lambda: make(**kw, mesh=one)[0]  # noqa: E731  (built again inside use_reference())
         return CaseSpec(kernel_builder, reference_builder, (state, batch), None, None)
 
     label = f"B={kw['batch']} T={kw['window']} m={kw['num_features']}"
@@ -175,4 +177,391 @@ def attention_pool_case(size: str) -> list[Variant]:
 
         out.append(Variant("attention_pool", f"fwd+bwd B={B} T={T} H={H} ({B * T} rows)", setup,
                            params={"B": B, "T": T, "H": H}))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+_IQL_SHAPES = {"small": dict(B=256, D=32, H=16), "default": dict(B=16384, D=256, H=128),
+               "large": dict(B=65536, D=256, H=128)}
+
+
+@register("iql_pair")
+def iql_pair_case(size: str) -> list[Variant]:
+    """Two IQL value networks D -> H -> 1 (ReLU), identical shapes, on one batch of B states:
+    value_and_grad of expectile(0.7) + expectile(0.9) losses (mean over B) w.r.t. both networks.
+
+    jaxfox path: one ``grouped_matmul_stacked`` per layer for both networks (the states are shared,
+    not copied); reference path: the same code under ``use_reference()``, i.e. the vmapped
+    (batched GEMM) pure-JAX einsums. float32, default matmul precision (TF32 on both paths on GPU).
+    FLOPs: matmuls only, forward 2 B (D H + H) x 2 networks; forward+backward counted as 2x
+    (the backward needs dW only for layer 1, dW and dX for layer 2).
+    The grouped-GEMM kernels are opt-in: the jaxfox path runs them only with JAXFOX_GROUPED_GEMM_KERNEL=1
+    in the environment (see jaxfox.gemm); otherwise both paths run the reference.
+    """
+    import jaxfox
+
+    s = _IQL_SHAPES[size]
+    B, D, H = s["B"], s["D"], s["H"]
+    taus = (0.7, 0.9)
+
+    def setup():
+        k = jax.random.split(jax.random.key(21), 4)
+        params = {"w1": jax.random.normal(k[0], (2, D, H)) / jnp.sqrt(D), "b1": jnp.zeros((2, H)),
+                  "w2": jax.random.normal(k[1], (2, H, 1)) / jnp.sqrt(H), "b2": jnp.zeros((2, 1))}
+        states = _normal(22, (B, D))
+        target = _normal(23, (B,))
+
+        def builder():
+            def op(params, states, target):
+                def loss(p):
+                    h = jax.nn.relu(jaxfox.grouped_matmul_stacked(states, p["w1"], p["b1"]))  # [2, B, H]
+                    v = jaxfox.grouped_matmul_stacked(h, p["w2"], p["b2"])[..., 0]           # [2, B]
+                    total = jnp.float32(0)
+                    for g, tau in enumerate(taus):  # expectile loss inline (OPS.md "Losses")
+                        u = target - v[g]
+                        total = total + jnp.mean(jnp.abs(tau - (u < 0).astype(jnp.float32)) * u * u)
+                    return total
+
+                return jax.value_and_grad(loss)(params)
+
+            return op
+
+        flops = 2.0 * 2.0 * B * (D * H + H) * 2
+        return CaseSpec(builder, None, (params, states, target), None, flops)
+
+    return [Variant("iql_pair", f"fwd+bwd 2 x ({D} -> {H} -> 1) B={B}", setup, params=dict(s))]
+
+
+_GROUPED_SHAPES = {
+    "small": [(64, 32, 16), (0, 8, 8), (33, 17, 5), (128, 64, 1)],
+    "default": [(16384, 256, 128), (16384, 128, 64), (4096, 64, 51), (0, 32, 32), (1024, 512, 256)],
+    "large": [(65536, 256, 128), (65536, 128, 64), (16384, 64, 51), (4096, 512, 256)],
+}
+
+
+@register("grouped_matmul")
+def grouped_matmul_case(size: str) -> list[Variant]:
+    """jaxfox.grouped_matmul over groups of mixed shapes (M, K, N), with biases: forward only and
+    forward+backward (value_and_grad of sum_g sum(y_g * c_g) w.r.t. xs, ws, bs). float32, default
+    matmul precision. Reference path: one jnp.dot per group. FLOPs: 2 M K N per group (x3 fwd+bwd).
+    Kernels opt-in (JAXFOX_GROUPED_GEMM_KERNEL=1), as for iql_pair.
+    """
+    import jaxfox
+
+    shapes = _GROUPED_SHAPES[size]
+    fwd_flops = sum(2.0 * M * K * N for M, K, N in shapes)
+    label = f"{len(shapes)} groups " + " ".join(f"{M}x{K}x{N}" for M, K, N in shapes)
+
+    def make_inputs():
+        xs = [_normal(30 + g, (M, K)) for g, (M, K, N) in enumerate(shapes)]
+        ws = [_normal(40 + g, (K, N)) / jnp.sqrt(max(K, 1)) for g, (M, K, N) in enumerate(shapes)]
+        bs = [_normal(50 + g, (N,)) for g, (M, K, N) in enumerate(shapes)]
+        cs = [_normal(60 + g, (M, N)) for g, (M, K, N) in enumerate(shapes)]
+        return xs, ws, bs, cs
+
+    def setup_fwd():
+        xs, ws, bs, _ = make_inputs()
+        builder = lambda: (lambda xs, ws, bs: jaxfox.grouped_matmul(xs, ws, bs))  # noqa: E731
+        return CaseSpec(builder, None, (xs, ws, bs), None, fwd_flops)
+
+    def setup_bwd():
+        xs, ws, bs, cs = make_inputs()
+
+        def builder():
+            def op(xs, ws, bs, cs):
+                def loss(xs, ws, bs):
+                    return sum(jnp.sum(y * c) for y, c in zip(jaxfox.grouped_matmul(xs, ws, bs), cs))
+
+                return jax.value_and_grad(loss, argnums=(0, 1, 2))(xs, ws, bs)
+
+            return op
+
+        return CaseSpec(builder, None, (xs, ws, bs, cs), None, 3 * fwd_flops)
+
+    return [Variant("grouped_matmul", "fwd " + label, setup_fwd, params={"shapes": shapes}),
+            Variant("grouped_matmul", "fwd+bwd " + label, setup_bwd, params={"shapes": shapes})]
+
+
+# ----------------------------------------------------------------------------------------------
+@register("c51_loss")
+def c51_loss_case(size: str) -> list[Variant]:
+    """jaxfox.categorical_double_q_loss forward+backward (value_and_grad of mean(loss) w.r.t. logits_tm1).
+
+    logits [B, D, A, N] float32 (D = 4 branches, A = 5 actions, N = 51 atoms), support linspace(-10, 10).
+    Bytes: the three logit tensors read once and the gradient written once (4 B D A N each).
+    """
+    import jaxfox
+
+    B = {"small": 64, "default": 1024, "large": 8192}[size]
+    D, A, N = 4, 5, 51
+
+    def setup():
+        lt, tg, on = _normal(10, (B, D, A, N)), _normal(11, (B, D, A, N)), _normal(12, (B, D, A, N))
+        a = jax.random.randint(jax.random.key(13), (B, D), 0, A, jnp.int32)
+        r = _normal(14, (B,))
+        disc = jnp.where(jax.random.uniform(jax.random.key(15), (B,)) < 0.1, 0.0, 0.99).astype(jnp.float32)
+        z = jnp.linspace(-10.0, 10.0, N, dtype=jnp.float32)
+
+        def builder():
+            def op(lt, a, r, disc, tg, on, z):
+                def loss(x):
+                    return jnp.mean(jaxfox.categorical_double_q_loss(x, a, r, disc, tg, on, z))
+
+                return jax.value_and_grad(loss)(lt)
+
+            return op
+
+        return CaseSpec(builder, None, (lt, a, r, disc, tg, on, z), 4.0 * 4 * B * D * A * N, None)
+
+    return [Variant("c51_loss", f"fwd+bwd B={B} D={D} A={A} N={N}", setup, params=dict(B=B, D=D, A=A, N=N))]
+
+
+@register("per_sample")
+def per_sample_case(size: str) -> list[Variant]:
+    """jaxfox.per.sample (prefix sum of p^alpha, stratified draws, IS weights), alpha 0.6, beta 0.4.
+
+    Full buffers with lognormal priorities (5% zeros). Bytes: the priorities read once (4 C).
+    """
+    from jaxfox import per
+
+    caps = {"small": [1 << 12, 4099], "default": [1 << 20, 1000003], "large": [1 << 24, 16777259]}[size]
+    B = 1024 if size != "small" else 64
+    out = []
+    for C in caps:
+        def setup(C=C):
+            p = jnp.exp(2.0 * _normal(20, (C,)))
+            p = jnp.where(jax.random.uniform(jax.random.key(21), (C,)) < 0.05, 0.0, p).astype(jnp.float32)
+            state = per.PERState(p, jnp.float32(1.0), jnp.int32(C), jnp.int32(0))
+            key = jax.random.key(22)
+            builder = lambda: (lambda state, key: per.sample(state, key, B, alpha=0.6, beta=0.4))  # noqa: E731
+            return CaseSpec(builder, None, (state, key), 4.0 * C, None)
+
+        out.append(Variant("per_sample", f"C={C} B={B}", setup, params=dict(C=C, B=B)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+_AUX_SHAPES = {
+    "small": dict(B=64, obs_dim=16, iql_hidden=(16,), iqn_hidden=16, n_quantiles=8, n_target_quantiles=8,
+                  n_cos=16, seq_len=4, seq_dim=16),
+    "default": dict(B=16384, obs_dim=256, iql_hidden=(128,), iqn_hidden=128, n_quantiles=32,
+                    n_target_quantiles=32, n_cos=64, seq_len=16, seq_dim=64),
+    "large": dict(B=65536, obs_dim=256, iql_hidden=(128,), iqn_hidden=128, n_quantiles=32,
+                  n_target_quantiles=32, n_cos=64, seq_len=16, seq_dim=64),
+}
+
+
+def _aux_summary(rows: list[dict]) -> str:
+    """The concurrency breakdown of the aux_step case (issue 5): stored in the rows as "breakdown"."""
+    t = {r["params"]["part"]: r for r in rows}
+    need = ("iql_pair", "iqn", "attention", "together", "sequence")
+    if any(p not in t for p in need):
+        return "aux_step breakdown: incomplete (a row failed or was skipped)"
+    out = {}
+    for path in ("jaxfox", "reference"):
+        get = lambda p: t[p][path]["median_s"] if t[p][path] else None  # noqa: E731
+        alone = [get(p) for p in ("iql_pair", "iqn", "attention")]
+        if None in alone or get("together") is None:
+            continue
+        s = sum(alone)
+        out[path] = {"alone_s": dict(zip(("iql_pair", "iqn", "attention"), alone)), "sum_alone_s": s,
+                     "together_s": get("together"), "sequence_s": get("sequence"),
+                     "together_over_sum": get("together") / s}
+    ref_seq = t["sequence"]["reference"]["median_s"]
+    lines = ["aux_step breakdown (median per step):"]
+    for path, d in out.items():
+        a = d["alone_s"]
+        lines.append(f"  {path:9s} alone: iql_pair {a['iql_pair'] * 1e3:.3f} ms, iqn {a['iqn'] * 1e3:.3f} ms, "
+                     f"attention {a['attention'] * 1e3:.3f} ms; sum {d['sum_alone_s'] * 1e3:.3f} ms; together "
+                     f"{d['together_s'] * 1e3:.3f} ms ({d['together_over_sum']:.2f}x the sum; target <= 0.8); "
+                     f"in sequence {d['sequence_s'] * 1e3:.3f} ms")
+    if "jaxfox" in out:
+        sp = ref_seq / out["jaxfox"]["together_s"]
+        out["speedup_together_vs_reference_sequence"] = sp
+        lines.append(f"  jaxfox together vs reference in sequence: {sp:.2f}x (target >= 1.5)")
+    for r in rows:
+        r["breakdown"] = out
+    return "\n".join(lines)
+
+
+@register("aux_step")
+def aux_step_case(size: str) -> list[Variant]:
+    """The auxiliary trainers of issue 5 (``jaxfox.models.aux``): IQL value pair (256 -> 128 -> 1 x 2,
+    expectiles 0.7/0.9), IQN head, attention trainer (T = 16, H = 64), each one full training step
+    (forward, backward, fused AdamW), B = 16384 per trainer.
+
+    Rows (part): each trainer alone (``iql_pair``: jaxfox path = one grouped GEMM per layer, reference =
+    the vmapped batched-GEMM baseline), ``together`` (``aux_step``: all three in one step, no data
+    dependence between them), ``sequence`` (``aux_step_sequential``: the same with a data dependency
+    chaining the trainers, so they cannot overlap; its reference path is "the same trainers run in
+    sequence on the reference path"). After the rows a breakdown is printed: the sum of the separate
+    times, together / sum, and jaxfox together vs reference in sequence. Overlap needs
+    ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` (``python -m jaxfox.bench --concurrent``).
+    """
+    s = dict(_AUX_SHAPES[size])
+    B = s.pop("B")
+    label = f"B={B} F={s['obs_dim']} IQL {s['obs_dim']}->{s['iql_hidden'][0]}->1 x2, IQN N={s['n_quantiles']}, " \
+            f"attn T={s['seq_len']} H={s['seq_dim']}"
+
+    def make(part):
+        def setup():
+            from jaxfox.models.aux import AuxConfig, make_aux, synthetic_batch
+
+            cfg = AuxConfig(**s)
+            grouped, vmapped = make_aux(cfg), make_aux(cfg, iql_impl="vmap")
+            state = grouped.init(jax.random.key(11))
+            batch = synthetic_batch(jax.random.key(12), cfg, B)
+            fn = {"iql_pair": ("iql_step", "iql", "iql"), "iqn": ("iqn_step", "iqn", "iqn"),
+                  "attention": ("attention_step", "attn", "attn"),
+                  "together": ("aux_step", None, None), "sequence": ("aux_step_sequential", None, None)}[part]
+            name, field, key = fn
+            st = state if field is None else getattr(state, field)
+            b = batch if key is None else batch[key]
+            return CaseSpec(lambda: getattr(grouped, name), lambda: getattr(vmapped, name), (st, b), None, None)
+
+        return setup
+
+    parts = ("iql_pair", "iqn", "attention", "together", "sequence")
+    return [Variant("aux_step", f"{p} {label}", make(p), stateful=True, params=dict(s, B=B, part=p))
+            for p in parts]
+
+
+aux_step_case.summarize = _aux_summary
+
+
+# ----------------------------------------------------------------------------------------------
+_OPTIM_SIZES = {"small": [1 << 16], "default": [1 << 20, 10_000_000, 1 << 24], "large": [1 << 26]}
+
+
+@register("adamw")
+def adamw_case(size: str) -> list[Variant]:
+    """One fused_adamw step + optax.apply_updates on a FlatParams [P] (default decay mask, no
+    clipping / clipping at 1.0); the reference is the same optax-style XLA code (use_reference()).
+
+    Bytes per parameter: the update reads params, grads, mu, nu (16) and the bool mask (1) and
+    writes updates, mu, nu (12); the norm pass reads grads again (4, clipping only); apply_updates
+    reads params and updates and writes params (12).
+    """
+    import optax
+
+    from jaxfox import optim
+
+    out = []
+    for P in _OPTIM_SIZES[size]:
+        for clip in (None, 1.0):
+            def setup(P=P, clip=clip):
+                fp = optim.FlatParams.from_tree({"w": _normal(10, (P // 8, 8)), "b": _normal(11, (P - 8 * (P // 8),))})
+                g = _normal(12, (P,)) * 1e-3
+
+                def builder():
+                    tx = optim.fused_adamw(1e-3, weight_decay=1e-4, max_grad_norm=clip)
+
+                    def step(state, g):
+                        fp, st = state
+                        u, st = tx.update(optim.FlatParams(g, fp.layout), st, fp)
+                        return (optax.apply_updates(fp, u), st), u.flat[:1]
+
+                    return step
+
+                tx0 = optim.fused_adamw(1e-3, weight_decay=1e-4, max_grad_norm=clip)
+                per = 29 + 12 + (4 if clip is not None else 0)
+                return CaseSpec(builder, None, ((fp, tx0.init(fp)), g), float(per) * P, None)
+
+            label = f"P={P} {'clip 1.0' if clip is not None else 'no clip'}"
+            out.append(Variant("adamw", label, setup, stateful=True, params={"P": P, "clip": clip}))
+    return out
+
+
+@register("ema_update")
+def ema_update_case(size: str) -> list[Variant]:
+    """jaxfox.ema_update(target [P], online [P], tau = 0.01): reads 8, writes 4 bytes per element."""
+    from jaxfox import optim
+
+    out = []
+    for P in _OPTIM_SIZES[size]:
+        def setup(P=P):
+            builder = lambda: (lambda t, o: optim.ema_update(t, o, jnp.float32(0.01)))  # noqa: E731
+            return CaseSpec(builder, None, (_normal(13, (P,)), _normal(14, (P,))), 12.0 * P, None)
+
+        out.append(Variant("ema_update", f"P={P}", setup, params={"P": P}))
+    return out
+
+
+@register("cast_bf16")
+def cast_bf16_case(size: str) -> list[Variant]:
+    """jaxfox.cast_bf16(x [P] float32) -> bfloat16: reads 4, writes 2 bytes per element."""
+    from jaxfox import optim
+
+    out = []
+    for P in _OPTIM_SIZES[size]:
+        def setup(P=P):
+            builder = lambda: (lambda x: optim.cast_bf16(x))  # noqa: E731
+            return CaseSpec(builder, None, (_normal(15, (P,)),), 6.0 * P, None)
+
+        out.append(Variant("cast_bf16", f"P={P}", setup, params={"P": P}))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Data-parallel scaling (issue 6): the same training step on 1, 2, 4, 8 local devices at a fixed batch
+# per device; throughput scaling on n devices = n * time(1 device) / time(n devices).
+def _device_counts():
+    n = len(jax.local_devices())
+    return [k for k in (1, 2, 4, 8) if k <= n]
+
+
+@register("perception_step_dp")
+def perception_dp_case(size: str) -> list[Variant]:
+    """The perception training step (as ``perception_step``) data parallel over n local devices
+    (``jaxfox.models.perception_v0.train_step``'s mesh), with a fixed batch per device (32 and 256)."""
+    from jaxfox.models import perception_v0
+
+    kw = dict(_PERCEPTION_SHAPES[size])
+    per_device = [kw.pop("batch")] + ([256] if size != "small" else [])
+    out = []
+    for b in per_device:
+        for n in _device_counts():
+            def setup(b=b, n=n):
+                mesh = batch_mesh(jax.local_devices()[:n])
+                make = lambda: perception_v0.benchmark_step(batch=b * n, mesh=mesh, **kw)  # noqa: E731
+                step_fn, state, batch = make()
+                return CaseSpec(lambda: step_fn, lambda: make()[0], (state, batch), None, None)
+
+            out.append(Variant("perception_step_dp", f"{n} device(s) x B={b} (T={kw['window']})", setup,
+                               stateful=True, params={"devices": n, "per_device_batch": b}))
+    return out
+
+
+@register("dqn_step_dp")
+def dqn_dp_case(size: str) -> list[Variant]:
+    """The whole DQN update (``jaxfox.models.branching_c51.make_update``: PER sample, bf16 forward, C51
+    loss, grad, fused AdamW, EMA, priority update) data parallel over n local devices, 1024 samples per
+    device (64 small), D=4 x A=5 x N=51, capacity 2^17 filled with random transitions."""
+    from jaxfox.models.branching_c51 import Transition, init_agent, make_update, support
+
+    b = 64 if size == "small" else 1024
+    cap = 1 << (12 if size == "small" else 17)
+    out = []
+    for n in _device_counts():
+        def setup(n=n):
+            mesh = batch_mesh(jax.local_devices()[:n])
+            state, opt, dan = init_agent(jax.random.key(0), num_branches=4, capacity=cap)
+            k = jax.random.split(jax.random.key(1), 4)
+            items = Transition(jax.random.normal(k[0], (cap, 48)), jax.random.randint(k[1], (cap, 4), 0, 5),
+                               jax.random.normal(k[2], (cap,)), jnp.full((cap,), 0.99),
+                               jax.random.normal(k[3], (cap, 48)))
+            import jaxfox
+
+            state = state._replace(buffer=jaxfox.per.add(state.buffer, items))
+            state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            make = lambda: make_update(opt, dan, support(), batch_size=b * n, mesh=mesh)  # noqa: E731
+            update = make()
+
+            def wrap(update):
+                return lambda state, beta: update(state, jax.random.key(0), beta)
+
+            return CaseSpec(lambda: wrap(update), lambda: wrap(make()), (state, jnp.float32(0.4)), None, None)
+
+        out.append(Variant("dqn_step_dp", f"{n} device(s) x B={b}", setup, stateful=True,
+                           params={"devices": n, "per_device_batch": b}))
     return out

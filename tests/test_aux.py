@@ -1,0 +1,180 @@
+"""Auxiliary trainers (jaxfox.models.aux), examples/train_aux.py and examples/aux.ipynb (CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfox.models.aux import (AuxConfig, iql_init, iql_values, iqn_init, iqn_quantiles, make_aux,
+                               synthetic_batch)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+SMALL = AuxConfig(obs_dim=16, iql_hidden=(32,), iqn_hidden=32, n_quantiles=8, n_target_quantiles=8, n_cos=16,
+                  seq_len=6, seq_dim=16, num_heads=4, lr=3e-3)
+
+
+def np_relu(x):
+    return np.maximum(x, 0.0)
+
+
+def test_iql_values_match_numpy_all_impls():
+    p = iql_init(jax.random.key(0), 16, (32, 8), num_networks=2)
+    obs = jax.random.normal(jax.random.key(1), (10, 16), jnp.float32)
+    x = np.asarray(obs, np.float64)
+    ref = np.zeros((10, 2))
+    for g in range(2):
+        h = x
+        for l in range(3):
+            h = h @ np.asarray(p["w"][l][g], np.float64) + np.asarray(p["b"][l][g], np.float64)
+            h = h if l == 2 else np_relu(h)
+        ref[:, g] = h[:, 0]
+    with jax.default_matmul_precision("highest"):
+        for impl in ("grouped", "grouped_list", "vmap"):
+            got = np.asarray(iql_values(p, obs, impl))
+            assert got.shape == (10, 2)
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=impl)
+    with pytest.raises(ValueError, match=r"obs must have shape \[B, F\] = \[\?, 16\]"):
+        iql_values(p, obs[:, :8])
+    with pytest.raises(ValueError, match="impl"):
+        iql_values(p, obs, "loop")
+
+
+def test_iql_grads_grouped_equal_vmap():
+    tr_g = make_aux(SMALL, iql_impl="grouped")
+    tr_v = make_aux(SMALL, iql_impl="vmap")
+    st = tr_g.init(jax.random.key(0))
+    b = synthetic_batch(jax.random.key(1), SMALL, 64)
+    with jax.default_matmul_precision("highest"):
+        s1, i1 = jax.jit(tr_g.iql_step)(st.iql, b["iql"])
+        s2, i2 = jax.jit(tr_v.iql_step)(st.iql, b["iql"])
+    np.testing.assert_allclose(float(i1["iql"]), float(i2["iql"]), rtol=1e-6)
+    for a, c in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+
+
+def test_iql_loss_is_expectile_of_numpy():
+    tr = make_aux(SMALL)
+    st = tr.init(jax.random.key(3))
+    b = synthetic_batch(jax.random.key(4), SMALL, 32)
+    with jax.default_matmul_precision("highest"):
+        _, info = tr.iql_step(st.iql, b["iql"])
+        v = np.asarray(iql_values(st.iql.params, b["iql"]["obs"], "vmap"), np.float64)
+    u = np.asarray(b["iql"]["q"], np.float64)[:, None] - v
+    w = np.where(u < 0, 1 - np.array([0.7, 0.9]), np.array([0.7, 0.9]))
+    per_net = (w * u ** 2).mean(0)
+    np.testing.assert_allclose(np.asarray(info["iql_per_net"]), per_net, rtol=1e-5)
+
+
+def test_iqn_quantiles_shape_and_monotone_embedding_input():
+    p = iqn_init(jax.random.key(0), 16, 32, 16)
+    z = iqn_quantiles(p, jnp.ones((3, 16)), jnp.full((3, 5), 0.5), 16)
+    assert z.shape == (3, 5) and z.dtype == jnp.float32
+    # Same tau -> same value for every quantile slot.
+    np.testing.assert_allclose(np.asarray(z), np.asarray(z[:, :1]).repeat(5, 1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["iql_step", "iqn_step", "attention_step"])
+def test_each_trainer_loss_falls_alone(which):
+    tr = make_aux(SMALL)
+    st = tr.init(jax.random.key(0))
+    b = synthetic_batch(jax.random.key(1), SMALL, 256)
+    name = {"iql_step": "iql", "iqn_step": "iqn", "attention_step": "attn"}[which]
+    step = jax.jit(getattr(tr, which))
+    ts = getattr(st, name)
+    losses = []
+    for _ in range(40):
+        ts, info = step(ts, b[name])
+        losses.append(float(info[name]))
+    assert all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
+    assert int(ts.step) == 40
+
+
+def test_aux_step_equals_separate_steps_and_sequential():
+    tr = make_aux(SMALL)
+    st = tr.init(jax.random.key(0))
+    b = synthetic_batch(jax.random.key(1), SMALL, 64)
+    new, info = jax.jit(tr.aux_step)(st, b)
+    s1, i1 = jax.jit(tr.iql_step)(st.iql, b["iql"])
+    s2, i2 = jax.jit(tr.iqn_step)(st.iqn, b["iqn"])
+    s3, i3 = jax.jit(tr.attention_step)(st.attn, b["attn"])
+    for k, v in {**i1, **i2, **i3}.items():
+        np.testing.assert_allclose(np.asarray(info[k]), np.asarray(v), rtol=1e-6, atol=1e-7, err_msg=k)
+    for a, c in zip(jax.tree.leaves((new.iql.params, new.iqn.params, new.iqn.target, new.attn.params)),
+                    jax.tree.leaves((s1.params, s2.params, s2.target, s3.params))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+    seq, info_seq = jax.jit(tr.aux_step_sequential)(st, b)
+    for k in info:
+        np.testing.assert_allclose(np.asarray(info_seq[k]), np.asarray(info[k]), rtol=1e-6, atol=1e-7, err_msg=k)
+    # The IQN target moved by EMA (target_tau of the way) and the key advanced.
+    assert not np.array_equal(np.asarray(jax.random.key_data(new.iqn.key)), np.asarray(jax.random.key_data(st.iqn.key)))
+
+
+def test_aux_step_losses_fall_together():
+    tr = make_aux(SMALL)
+    st = tr.init(jax.random.key(5))
+    b = synthetic_batch(jax.random.key(6), SMALL, 256)
+    step = jax.jit(tr.aux_step)
+    first = None
+    for _ in range(40):
+        st, info = step(st, b)
+        first = first or {k: float(jnp.sum(v)) for k, v in info.items()}
+    last = {k: float(jnp.sum(v)) for k, v in info.items()}
+    for k in ("iql", "iqn", "attn"):
+        assert last[k] < 0.6 * first[k], (k, first[k], last[k])
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="config.expectiles"):
+        make_aux(SMALL, expectiles=(0.7, 1.2))
+    with pytest.raises(ValueError, match="config.iql_impl"):
+        make_aux(SMALL, iql_impl="fast")
+    with pytest.raises(ValueError, match="config.num_heads"):
+        make_aux(SMALL, num_heads=3)
+    with pytest.raises(ValueError, match="config.obs_dim"):
+        make_aux(SMALL, obs_dim=0)
+
+
+# ---------------------------------------------------------------- example and notebook
+def _load_train_aux():
+    spec = importlib.util.spec_from_file_location("train_aux", EXAMPLES / "train_aux.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_train_aux_main_tiny(tmp_path, capsys):
+    mod = _load_train_aux()
+    m = mod.main(["--dqn-steps", "10", "--num-envs", "8", "--collect-steps", "40", "--steps", "30",
+                  "--batch-size", "64", "--seq-len", "4", "--out", str(tmp_path)])
+    for k in ("iql", "iqn", "attn"):
+        assert np.isfinite(m["first_loss"][k]) and np.isfinite(m["last_loss"][k])
+    assert m["transitions"] == 8 * 40
+    assert (tmp_path / "metrics.json").exists()
+    out = capsys.readouterr().out
+    assert "iql" in out and "iqn" in out and "attn" in out
+    with pytest.raises(SystemExit):
+        mod.main(["--steps", "0", "--out", str(tmp_path)])
+
+
+def test_notebook_executes(tmp_path, monkeypatch):
+    import nbclient
+    import nbformat
+
+    nb = nbformat.read(EXAMPLES / "aux.ipynb", as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
+    monkeypatch.setenv("JAXFOX_NB_SMALL", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "max |grouped - per-group dot|" in text
+    assert "aux losses" in text

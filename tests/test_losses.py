@@ -1,0 +1,253 @@
+"""jaxfox.losses against independent float64 NumPy written from the equations (OPS.md "Losses")."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxfox
+
+jax.config.update("jax_enable_x64", False)
+RNG = np.random.default_rng(0)
+
+
+# ---------------------------------------------------------------- NumPy oracles
+def np_expectile(u, tau):
+    u = np.asarray(u, np.float64)
+    w = np.where(u < 0, 1.0 - np.asarray(tau, np.float64), np.asarray(tau, np.float64))
+    return w * u ** 2
+
+
+def np_quantile_huber(z, taus, y, kappa):
+    """Loops over b, i, j; delta = y_j - z_i; dopamine convention (divide by kappa, sum i, mean j)."""
+    z, y = np.asarray(z, np.float64), np.asarray(y, np.float64)
+    taus = np.broadcast_to(np.asarray(taus, np.float64), z.shape)
+    B, N = z.shape
+    Np = y.shape[1]
+    out = np.zeros(B)
+    for b in range(B):
+        tot = 0.0
+        for i in range(N):
+            s = 0.0
+            for j in range(Np):
+                d = y[b, j] - z[b, i]
+                hub = 0.5 * d * d if abs(d) <= kappa else kappa * (abs(d) - 0.5 * kappa)
+                s += abs(taus[b, i] - (1.0 if d < 0 else 0.0)) * hub / kappa
+            tot += s / Np
+        out[b] = tot
+    return out
+
+
+def np_cql(q, a, alpha):
+    q = np.asarray(q, np.float64)
+    m = q.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(q - m).sum(-1, keepdims=True)))[..., 0]
+    qa = np.take_along_axis(q, np.asarray(a)[..., None], -1)[..., 0]
+    return alpha * (lse - qa)
+
+
+# ---------------------------------------------------------------- expectile
+@pytest.mark.parametrize("tau", [0.1, 0.5, 0.7, 0.9])
+def test_expectile_matches_numpy(tau):
+    u = RNG.normal(size=(64, 3)).astype(np.float32)
+    got = np.asarray(jaxfox.expectile_loss(jnp.asarray(u), tau))
+    assert got.dtype == np.float32 and got.shape == u.shape
+    np.testing.assert_allclose(got, np_expectile(u, tau), rtol=1e-6, atol=1e-7)
+
+
+def test_expectile_half_mse_at_half():
+    u = RNG.normal(size=(1000,)).astype(np.float32) * 3
+    got = float(jnp.mean(jaxfox.expectile_loss(jnp.asarray(u), 0.5)))
+    assert got == pytest.approx(0.5 * np.mean(np.asarray(u, np.float64) ** 2), rel=1e-6)
+
+
+def test_expectile_asymmetry_and_per_group_tau():
+    # u > 0 (target above V) weighted tau, u < 0 weighted 1 - tau.
+    u = jnp.asarray([[2.0, 2.0], [-2.0, -2.0]], jnp.float32)
+    got = np.asarray(jaxfox.expectile_loss(u, jnp.asarray([0.7, 0.9], jnp.float32)))
+    np.testing.assert_allclose(got, [[0.7 * 4, 0.9 * 4], [0.3 * 4, 0.1 * 4]], rtol=1e-6)
+    bf = jaxfox.expectile_loss(u.astype(jnp.bfloat16), 0.7)
+    assert bf.dtype == jnp.float32
+
+
+def test_expectile_grads():
+    u = jnp.asarray(RNG.normal(size=(5, 2)) + 0.3, jnp.float32)   # away from 0
+    check_grads(lambda x: jaxfox.expectile_loss(x, 0.8), (u,), order=2, modes=("rev", "fwd"), atol=1e-2,
+                rtol=1e-2)
+    g = jax.grad(lambda x: jnp.sum(jaxfox.expectile_loss(x, 0.8)))(u)
+    u64 = np.asarray(u, np.float64)
+    np.testing.assert_allclose(np.asarray(g), 2 * np.where(u64 < 0, 0.2, 0.8) * u64, rtol=1e-5)
+
+
+def test_expectile_errors():
+    u = jnp.zeros((4, 2), jnp.float32)
+    with pytest.raises(ValueError, match="expectile"):
+        jaxfox.expectile_loss(u, 1.0)
+    with pytest.raises(ValueError, match="expectile"):
+        jaxfox.expectile_loss(u, 0.0)
+    with pytest.raises(ValueError, match=r"expectile must have shape .*\(3,\)"):
+        jaxfox.expectile_loss(u, jnp.full((3,), 0.5, jnp.float32))
+    with pytest.raises(ValueError, match="expectile"):
+        jaxfox.expectile_loss(u, jnp.asarray([0.5, 1.5], jnp.float32))
+    with pytest.raises(TypeError, match="diff"):
+        jaxfox.expectile_loss(jnp.zeros(3, jnp.int32), 0.5)
+    with pytest.raises(TypeError, match="expectile"):
+        jaxfox.expectile_loss(u, "0.5")
+
+
+# ---------------------------------------------------------------- quantile Huber
+@pytest.mark.parametrize("kappa", [1.0, 0.5, 2.0])
+@pytest.mark.parametrize("shared_taus", [False, True])
+def test_quantile_huber_matches_numpy(kappa, shared_taus):
+    B, N, Np = 4, 5, 7
+    z = RNG.normal(size=(B, N)).astype(np.float32) * 2
+    y = RNG.normal(size=(B, Np)).astype(np.float32) * 2
+    taus = RNG.uniform(size=(N,) if shared_taus else (B, N)).astype(np.float32)
+    ref = np_quantile_huber(z, taus, y, kappa)
+    got_b = np.asarray(jaxfox.quantile_huber_loss(jnp.asarray(z), jnp.asarray(taus), jnp.asarray(y), kappa,
+                                                  per_sample=True))
+    np.testing.assert_allclose(got_b, ref, rtol=1e-5, atol=1e-6)
+    got = float(jaxfox.quantile_huber_loss(jnp.asarray(z), jnp.asarray(taus), jnp.asarray(y), kappa))
+    assert got == pytest.approx(ref.mean(), rel=1e-5)
+
+
+def test_quantile_huber_indicator_sign():
+    # One online quantile z = 0 at tau = 0.9, one target: y = +1 (delta > 0) weights tau = 0.9,
+    # y = -1 (delta < 0) weights 1 - tau = 0.1. Huber(1) = 0.5 at kappa = 1.
+    z = jnp.zeros((2, 1), jnp.float32)
+    taus = jnp.full((2, 1), 0.9, jnp.float32)
+    y = jnp.asarray([[1.0], [-1.0]], jnp.float32)
+    got = np.asarray(jaxfox.quantile_huber_loss(z, taus, y, 1.0, per_sample=True))
+    np.testing.assert_allclose(got, [0.9 * 0.5, 0.1 * 0.5], rtol=1e-6)
+    # The gradient pushes a high-tau quantile up when the target is above it.
+    g = jax.grad(lambda zz: jaxfox.quantile_huber_loss(zz, taus[:1], y[:1], 1.0))(z[:1])
+    assert float(g[0, 0]) == pytest.approx(-0.9, rel=1e-6)
+
+
+def test_quantile_huber_kappa_scaling_and_linear_region():
+    # |delta| = 3 > kappa = 1: huber = kappa (3 - 0.5) = 2.5, divided by kappa = 1.
+    z = jnp.zeros((1, 1), jnp.float32)
+    got = float(jaxfox.quantile_huber_loss(z, jnp.full((1, 1), 0.25, jnp.float32), jnp.full((1, 1), 3.0), 1.0))
+    assert got == pytest.approx(0.25 * 2.5)
+    # kappa = 4: quadratic region, 0.5 * 9 / 4.
+    got = float(jaxfox.quantile_huber_loss(z, jnp.full((1, 1), 0.25, jnp.float32), jnp.full((1, 1), 3.0), 4.0))
+    assert got == pytest.approx(0.25 * 4.5 / 4)
+
+
+def test_quantile_huber_grads():
+    B, N, Np = 3, 4, 5
+    z = jnp.asarray(RNG.normal(size=(B, N)), jnp.float32)
+    y = jnp.asarray(RNG.normal(size=(B, Np)) * 2, jnp.float32)
+    taus = jnp.asarray(RNG.uniform(size=(B, N)), jnp.float32)
+    check_grads(lambda a, b: jaxfox.quantile_huber_loss(a, taus, b, 1.0), (z, y), order=1, modes=("rev",),
+                atol=1e-2, rtol=1e-2)
+
+
+def test_quantile_huber_errors():
+    z = jnp.zeros((4, 5), jnp.float32)
+    y = jnp.zeros((4, 6), jnp.float32)
+    t = jnp.zeros((4, 5), jnp.float32)
+    with pytest.raises(ValueError, match=r"online_quantiles must have shape \[B, N\]"):
+        jaxfox.quantile_huber_loss(z[0], t, y)
+    with pytest.raises(ValueError, match=r"target_quantiles must have shape \[B, N'\] = \[4, \?\], got \(3, 6\)"):
+        jaxfox.quantile_huber_loss(z, t, y[:3])
+    with pytest.raises(ValueError, match=r"taus must have shape"):
+        jaxfox.quantile_huber_loss(z, t[:, :4], y)
+    with pytest.raises(ValueError, match="kappa"):
+        jaxfox.quantile_huber_loss(z, t, y, 0.0)
+    with pytest.raises(TypeError, match="target_quantiles"):
+        jaxfox.quantile_huber_loss(z, t, y.astype(jnp.int32))
+
+
+# ---------------------------------------------------------------- quantile embedding
+def test_quantile_embedding_matches_numpy():
+    taus = RNG.uniform(size=(3, 4)).astype(np.float32)
+    got = np.asarray(jaxfox.quantile_embedding(jnp.asarray(taus), 8))
+    ref = np.cos(np.pi * np.asarray(taus, np.float64)[..., None] * np.arange(8))
+    assert got.shape == (3, 4, 8)
+    np.testing.assert_allclose(got, ref, atol=2e-6)
+    np.testing.assert_array_equal(got[..., 0], 1.0)
+    with pytest.raises(ValueError, match="n_cos"):
+        jaxfox.quantile_embedding(jnp.asarray(taus), 0)
+    with pytest.raises(TypeError, match="taus"):
+        jaxfox.quantile_embedding(np.arange(3), 4)
+
+
+# ---------------------------------------------------------------- CQL
+@pytest.mark.parametrize("shape", [(6, 5), (4, 3, 5)])
+def test_cql_matches_numpy(shape):
+    q = (RNG.normal(size=shape) * 5).astype(np.float32)
+    a = RNG.integers(0, shape[-1], size=shape[:-1]).astype(np.int32)
+    got = np.asarray(jaxfox.cql_penalty(jnp.asarray(q), jnp.asarray(a), 0.5))
+    np.testing.assert_allclose(got, np_cql(q, a, 0.5), rtol=1e-5, atol=1e-5)
+    assert np.all(got >= -1e-6)
+
+
+def test_cql_one_action_is_zero_and_large_values_do_not_overflow():
+    q = jnp.asarray(RNG.normal(size=(7, 1)) * 1e3, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jaxfox.cql_penalty(q, jnp.zeros(7, jnp.int32))), 0.0)
+    big = jnp.asarray([[1e30, 1e30 - 1e24, -1e30]], jnp.float32)
+    v = np.asarray(jaxfox.cql_penalty(big, jnp.asarray([2], jnp.int32)))
+    assert np.isfinite(v).all()
+
+
+def test_cql_grad_is_softmax_minus_onehot():
+    q = jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32)
+    a = jnp.asarray([0, 3, 1], jnp.int32)
+    g = np.asarray(jax.grad(lambda x: jnp.sum(jaxfox.cql_penalty(x, a, 2.0)))(q))
+    q64 = np.asarray(q, np.float64)
+    sm = np.exp(q64 - q64.max(1, keepdims=True))
+    sm /= sm.sum(1, keepdims=True)
+    np.testing.assert_allclose(g, 2.0 * (sm - np.eye(4)[np.asarray(a)]), rtol=1e-5, atol=1e-6)
+    check_grads(lambda x: jaxfox.cql_penalty(x, a), (q,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_cql_errors():
+    q = jnp.zeros((4, 3), jnp.float32)
+    with pytest.raises(ValueError, match=r"actions must have shape .*\(4,\)"):
+        jaxfox.cql_penalty(q, jnp.zeros((4, 1), jnp.int32))
+    with pytest.raises(TypeError, match="actions"):
+        jaxfox.cql_penalty(q, jnp.zeros((4,), jnp.float32))
+    with pytest.raises(ValueError, match="alpha"):
+        jaxfox.cql_penalty(q, jnp.zeros((4,), jnp.int32), -1.0)
+    with pytest.raises(TypeError, match="q_values"):
+        jaxfox.cql_penalty(jnp.zeros((4, 3), jnp.int32), jnp.zeros((4,), jnp.int32))
+    # An out-of-range action gives NaN (not a silently clamped value).
+    assert math.isnan(float(jaxfox.cql_penalty(q[:1], jnp.asarray([3], jnp.int32))[0]))
+
+
+# ---------------------------------------------------------------- concurrency flag helper
+def test_enable_concurrent_command_buffers_after_init_raises(monkeypatch):
+    jnp.ones(2).block_until_ready()          # backends are initialised now
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert not jaxfox.concurrent_command_buffers_enabled()
+    with pytest.raises(RuntimeError, match="already initialised"):
+        jaxfox.enable_concurrent_command_buffers()
+    with pytest.raises(ValueError, match="mode"):
+        jaxfox.enable_concurrent_command_buffers("FAST")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
+    jaxfox.enable_concurrent_command_buffers()   # already set: a no-op, no error
+    assert jaxfox.concurrent_command_buffers_enabled()
+
+
+def test_enable_concurrent_command_buffers_in_fresh_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os, jaxfox; jaxfox.enable_concurrent_command_buffers(); "
+            "import jax.numpy as jnp; jnp.ones(2).block_until_ready(); print(os.environ['XLA_FLAGS'])")
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=SERIALIZE --xla_cpu_use_thunk_runtime=true",
+               PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    flags = out.stdout.split()
+    assert "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" in flags
+    assert "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE" not in flags
+    assert "--xla_cpu_use_thunk_runtime=true" in flags
