@@ -20,12 +20,14 @@ the discount is gamma for every transition (no terminal states: bootstrapping th
 
 Reports the greedy policy's return over the whole test span (sum of daily rewards, log-return units, costs
 included) next to buy-and-hold (+1 in every instrument, the agent's maximum long action), equal-weight
-buy-and-hold (1/3 in each) and flat (0); saves ``equity.png``, ``loss.png`` and ``metrics.json`` into ``--out``.
+buy-and-hold (1/3 in each) and flat (0); saves ``equity.png``, ``loss.png``, ``metrics.json`` and ``curves.npz``
+(daily test-span rewards of each policy, their dates and the agent's positions) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -83,13 +85,16 @@ def _stats(rewards):
             "sharpe_annualised": float(np.sqrt(252) * r.mean() / sd) if sd > 0 else 0.0}
 
 
+def levels_of(env, acts):
+    """Positions [days, D] float64 of action indices [days, D] (the env's position levels)."""
+    return np.asarray(env.train.levels, np.float64)[np.asarray(acts)]
+
+
 def save_plots(out, dates, curves, loss_hist):
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend (e.g. a notebook's) alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig = Figure(figsize=(9, 4.5))
+    ax = fig.subplots()
     for name, r in curves.items():
         ax.plot(dates, np.cumsum(r), label=f"{name} ({np.sum(r):+.3f})")
     ax.set(title="test span 2016-2018: cumulative reward (sum of daily position-weighted log returns - costs)",
@@ -98,8 +103,8 @@ def save_plots(out, dates, curves, loss_hist):
     fig.autofmt_xdate()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "equity.png"), dpi=100)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if loss_hist["step"]:
         ax.plot(loss_hist["step"], loss_hist["loss"], label="IS-weighted loss (chunk mean)")
         ax.plot(loss_hist["step"], loss_hist["loss_unweighted"], label="unweighted loss (chunk mean)")
@@ -107,7 +112,6 @@ def save_plots(out, dates, curves, loss_hist):
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "loss.png"), dpi=100)
-    plt.close(fig)
 
 
 def main(argv=None) -> dict:
@@ -118,7 +122,7 @@ def main(argv=None) -> dict:
     from tqdm.auto import tqdm
 
     from jaxfox import per
-    from jaxfox.envs import Trading
+    from jaxfox.envs import INSTRUMENTS, Trading
     from jaxfox.models.branching_c51 import (Transition, epsilon_greedy, greedy_actions, init_agent, make_update,
                                              support)
 
@@ -179,21 +183,24 @@ def main(argv=None) -> dict:
         (agent, s, o), out = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, args.chunk))
         return agent, s, o, out
 
-    def evaluate(online, params, rows, const_action):
-        start, end = rows
+    @functools.partial(jax.jit, static_argnames=("length",))
+    def rollout(online, params, start, ca, length):
+        """Greedy (ca < 0) or constant-action (ca [D]) pass of ``length`` days from row ``start``."""
         s, o = env.reset_to(start, params)
 
-        @jax.jit
-        def go(online, s, o, ca):
-            def body(c, _):
-                s, o = c
-                greedy = greedy_actions(online, o[None], dan, z, bf16=bf16)[0]
-                a = jnp.where(ca >= 0, ca, greedy)
-                s, o, r, _ = env.step(s, a, params)
-                return (s, o), (r, a)
-            _, (r, a) = jax.lax.scan(body, (s, o), None, length=end - start)
-            return r, a
-        r, a = go(online, s, o, jnp.asarray(const_action, jnp.int32))
+        def body(c, _):
+            s, o = c
+            greedy = greedy_actions(online, o[None], dan, z, bf16=bf16)[0]
+            a = jnp.where(ca >= 0, ca, greedy)
+            s, o, r, _ = env.step(s, a, params)
+            return (s, o), (r, a)
+        _, (r, a) = jax.lax.scan(body, (s, o), None, length=length)
+        return r, a
+
+    def evaluate(online, params, rows, const_action):
+        start, end = rows
+        r, a = rollout(online, params, jnp.asarray(start, jnp.int32), jnp.asarray(const_action, jnp.int32),
+                       length=int(end - start))
         return np.asarray(r, np.float64), np.asarray(a)
 
     key, k_reset, k_warm = jax.random.split(key, 3)
@@ -228,6 +235,8 @@ def main(argv=None) -> dict:
     curves = {"agent (greedy)": r_agent, "buy & hold (+1 each)": r_bh, "equal weight (1/3 each)": r_ew,
               "flat (0)": r_flat}
     save_plots(args.out, dates, curves, loss_hist)
+    np.savez(os.path.join(args.out, "curves.npz"), dates=dates.astype("datetime64[D]"), agent=r_agent,
+             buy_and_hold=r_bh, equal_weight=r_ew, flat=r_flat, positions=levels_of(env, acts))
     levels = np.asarray(env.train.levels)
     metrics = {
         "test_span": [str(env.dates[t0])[:10], str(env.dates[t1])[:10]], "test_days": int(t1 - t0),
@@ -235,7 +244,7 @@ def main(argv=None) -> dict:
                  "flat": _stats(r_flat)},
         "train_span_greedy": _stats(r_train),
         "test_mean_position": {inst: float(levels[acts[:, i]].mean()) for i, inst in
-                               enumerate(("sp500", "nasdaq", "wti"))},
+                               enumerate(INSTRUMENTS)},
         "test_turnover_per_day": float(np.abs(np.diff(np.concatenate([np.zeros((1, D)), levels[acts]]), axis=0))
                                        .sum(1).mean()),
         "final_loss": loss_hist["loss"][-1] if loss_hist["loss"] else None,

@@ -148,6 +148,12 @@ def test_train_dqn_main_tiny(tmp_path):
     assert disk["test_days"] == 749
     for png in ("equity.png", "loss.png"):
         assert os.path.getsize(os.path.join(out, png)) > 1000
+    curves = np.load(os.path.join(out, "curves.npz"))
+    assert curves["agent"].shape == curves["buy_and_hold"].shape == (749,) and curves["positions"].shape == (749, 3)
+    assert str(curves["dates"][0]) == "2016-01-05" and str(curves["dates"][-1]) == "2018-12-28"
+    assert float(curves["buy_and_hold"].sum()) == pytest.approx(want, abs=1e-4)
+    assert float(curves["agent"].sum()) == pytest.approx(disk["test"]["agent"]["total_log_return"], abs=1e-9)
+    assert set(np.unique(curves["positions"])) <= {-1.0, -0.5, 0.0, 0.5, 1.0}
 
 
 def test_cli_rejects_bad_args():
@@ -156,3 +162,45 @@ def test_cli_rejects_bad_args():
         mod.parse_args(["--steps", "0"])
     with pytest.raises(SystemExit):
         mod.parse_args(["--batch-size", "1024", "--learning-starts", "100"])
+
+
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cartpole_cli_rejects_bad_args():
+    # parse_args needs no gymnax (gymnax is only in the `examples` extra: it pins jax<0.12).
+    mod = _load_example("train_cartpole")
+    a = mod.parse_args([])
+    assert (a.lr, a.gamma, a.num_atoms, a.v_max, a.batch_size, a.stop_at) == (2.5e-4, 0.99, 101, 100.0, 128, 475.0)
+    for bad in (["--total-steps", "100"], ["--batch-size", "512", "--learning-starts", "100"],
+                ["--gamma", "1.0"], ["--num-atoms", "1"], ["--tau", "2"], ["--v-max", "0"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+
+
+# ---------------------------------------------------------------- the notebook
+def test_dqn_notebook_executes(tmp_path, monkeypatch):
+    import nbclient  # the `test` extra installs both; a missing one must fail, not skip
+    import nbformat
+
+    nb = nbformat.read(os.path.join(ROOT, "examples", "dqn.ipynb"), as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
+    for k, v in (("STEPS", "20"), ("ENVS", "8"), ("BATCH", "64"), ("WARMUP", "256")):
+        monkeypatch.setenv(f"JAXFOX_NB_DQN_{k}", v)
+    monkeypatch.setenv("JAXFOX_NB_PER_DRAWS", "500")
+    monkeypatch.setenv("JAXFOX_NB_OUT", str(tmp_path / "dqn"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # the notebook's own asserts (projection/loss vs NumPy, PER) raise CellExecutionError
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "draws of the zero-priority slots 0 and 6: 0 0" in text
+    assert "buy_and_hold" in text and "20 updates" in text
+    m = json.load(open(tmp_path / "dqn" / "metrics.json"))
+    assert m["updates"] == 20 and m["test"]["flat"]["total_log_return"] == 0.0
+    imgs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(imgs) == 3  # projection, PER frequencies, equity curves

@@ -143,3 +143,43 @@ def test_bad_inputs(env):
     with pytest.raises(ValueError, match="cost_bps"):
         Trading(cost_bps=-1.0)
     assert len(LEVELS) == 5 and env.num_branches == 3 and env.obs_dim == 48
+
+
+def test_arch_ships_exactly_three_daily_price_series_over_1999_2018():
+    """Why D = 3 (issue 4 asks for >= 4): every dataset in arch.data, classified from the raw files.
+
+    A candidate instrument needs a daily DatetimeIndex (median spacing <= 4 calendar days) covering the
+    train span start (<= 2000-01-05) through the test span end (>= 2018-12-28). This fails if a new arch
+    release ships a fourth such series (then add it to INSTRUMENTS)."""
+    import importlib
+    import pkgutil
+
+    import arch.data
+
+    daily_full, other = [], {}
+    for m in pkgutil.iter_modules(arch.data.__path__):
+        mod = importlib.import_module(f"arch.data.{m.name}")
+        if not hasattr(mod, "load"):
+            continue
+        df = mod.load()
+        idx = df.index
+        if not isinstance(idx, pd.DatetimeIndex):
+            other[m.name] = "no date index"
+            continue
+        idx = idx.sort_values()
+        days = float(np.median(np.diff(idx.to_numpy().astype("datetime64[s]").astype(np.int64))) / 86400.0)
+        full = idx[0] <= pd.Timestamp("2000-01-05") and idx[-1] >= pd.Timestamp("2018-12-28")
+        if days <= 4 and full:
+            daily_full.append(m.name)
+        else:
+            other[m.name] = f"median spacing {days:.0f} days, {idx[0].date()} .. {idx[-1].date()}"
+    assert sorted(daily_full) == ["nasdaq", "sp500", "wti"], (daily_full, other)
+    assert set(INSTRUMENTS) == set(daily_full)
+    # VIX is daily but starts 2014-01-03; crude (Brent, WTI), core_cpi, default are monthly; frenchdata's index
+    # is yyyymm integers (monthly factors, read as nanoseconds after 1970); binary is not a time series.
+    assert other["vix"].startswith("median spacing 1 days, 2014-01-03"), other["vix"]
+    for name in ("crude", "core_cpi", "default"):
+        assert int(other[name].split()[2]) >= 28, other[name]
+    fr = arch.data.frenchdata.load().index.to_numpy().astype("int64")
+    assert fr.min() == 192607 and np.all(np.isin(fr % 100, np.arange(1, 13)))
+    assert other["binary"] == "no date index"
