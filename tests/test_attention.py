@@ -576,7 +576,7 @@ def kernel_path(monkeypatch):
         return call
 
     monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
-    monkeypatch.setattr(attn_mod, "dispatch", lambda kernel, reference, *args: kernel(*args))
+    monkeypatch.setattr(attn_mod, "dispatch", lambda kernel, reference, *args, **_: kernel(*args))
     return calls
 
 

@@ -551,7 +551,7 @@ def make_kernel_path(monkeypatch, module, emulators):
         return call
 
     monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
-    monkeypatch.setattr(module, "dispatch", lambda kernel, reference, *args: kernel(*args))
+    monkeypatch.setattr(module, "dispatch", lambda kernel, reference, *args, **_: kernel(*args))
     return calls
 
 
