@@ -243,9 +243,9 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     Data parallel over ``mesh`` (a mesh with an axis "batch"; default: all local devices,
     :func:`jaxfox.sharding.batch_mesh`): the whole update runs in one ``jax.shard_map`` in which every
     device holds the whole (replicated) agent state and draws the same B indices; device i then computes
-    the loss and gradient of rows [i B / N, (i + 1) B / N) only, and exactly two collectives follow: one
-    all-reduce (mean) of the gradient and the loss, and one all-gather of the per-sample losses [B] for the
-    priority update. The optimizer, EMA and priority updates then run identically on every device, so
+    the loss and gradient of rows [i B / N, (i + 1) B / N) only, and exactly one collective follows: an
+    all-reduce of the gradient, the loss and the per-sample losses [B] (each device contributes its rows,
+    zeros elsewhere), which the priority update needs. The optimizer, EMA and priority updates then run identically on every device, so
     the state stays replicated. No observation is gathered: each device reads its rows from its own copy.
 
     Raises:
@@ -264,8 +264,12 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
         batch = per.sample_items(state.buffer, idx_l)
         (lw, loss_l), grads = jax.value_and_grad(
             lambda p: batch_loss(p, state.target, batch, w_l, dan, z, bf16=bf16), has_aux=True)(state.online)
-        grads, lw = jax.lax.pmean((grads, lw), AXIS)        # one all-reduce
-        loss_b = jax.lax.all_gather(loss_l, AXIS, tiled=True)  # [B] in batch order
+        # ONE all-reduce carries the gradient, the loss and the per-sample losses: each device writes its
+        # rows' losses into a zero [B] vector, and the sum over devices is the whole batch's [B] losses.
+        loss_rows = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((batch_size,), loss_l.dtype), loss_l, start, 0)
+        grads, lw, loss_b = jax.lax.psum((grads, lw, loss_rows), AXIS)
+        grads = jax.tree.map(lambda g: g / n_dev, grads)
+        lw = lw / n_dev
         updates, opt_state = opt.update(grads, state.opt, state.online)
         online = optax.apply_updates(state.online, updates)
         target = jaxfox.ema_update(state.target, online, tau)
