@@ -320,7 +320,9 @@ def c51_loss_case(size: str) -> list[Variant]:
 def per_sample_case(size: str) -> list[Variant]:
     """jaxfox.per.sample (prefix sum of p^alpha, stratified draws, IS weights), alpha 0.6, beta 0.4.
 
-    Full buffers with lognormal priorities (5% zeros). Bytes: the priorities read once (4 C).
+    Full buffers with lognormal priorities (5% zeros). Bytes: the priorities read once (4 C). Two rows per
+    capacity: against the reference path (compensated float32 prefix scan), and against a plain float32
+    ``jnp.cumsum`` + ``jnp.searchsorted`` sampler (the issue's yardstick; less accurate at large C).
     """
     from jaxfox import per
 
@@ -336,7 +338,27 @@ def per_sample_case(size: str) -> list[Variant]:
             builder = lambda: (lambda state, key: per.sample(state, key, B, alpha=0.6, beta=0.4))  # noqa: E731
             return CaseSpec(builder, None, (state, key), 4.0 * C, None)
 
+        def setup_cumsum(C=C):
+            spec = setup(C)
+
+            def baseline():
+                # the issue's yardstick: float32 jnp.cumsum + jnp.searchsorted, same draws and weights
+                def sample(state, key):
+                    p = state.priorities
+                    q = jnp.where(p > 0, jnp.where(p > 0, p, 1.0) ** 0.6, 0.0)
+                    c = jnp.cumsum(q)
+                    u = (jnp.arange(B) + jax.random.uniform(key, (B,))) / B * c[-1]
+                    idx = jnp.minimum(jnp.searchsorted(c, u, side="right"), C - 1).astype(jnp.int32)
+                    qi = q[idx]
+                    return idx, (jnp.min(qi) / qi) ** 0.4
+
+                return sample
+
+            return CaseSpec(spec.kernel_builder, baseline, spec.inputs, spec.bytes, None)
+
         out.append(Variant("per_sample", f"C={C} B={B}", setup, params=dict(C=C, B=B)))
+        out.append(Variant("per_sample", f"C={C} B={B} vs jnp.cumsum + searchsorted", setup_cumsum,
+                           params=dict(C=C, B=B, baseline="cumsum")))
     return out
 
 
