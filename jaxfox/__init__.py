@@ -7,7 +7,7 @@ from jaxfox._ffi import kernels_available, kernels_unavailable_reason, use_refer
 from jaxfox.attention import attention_pool, attention_pool_init
 from jaxfox.c51 import branching_dueling_logits, categorical_double_q_loss, categorical_projection
 from jaxfox.cfc import cfc_cell, cfc_init, cfc_scan, lecun_tanh
-from jaxfox import optim, per
+from jaxfox import optim, per, sharding
 from jaxfox.optim import FlatParams, cast_bf16, ema_update, fused_adamw
 from jaxfox.gemm import grouped_matmul, grouped_matmul_stacked
 from jaxfox.grn import grn, grn_init

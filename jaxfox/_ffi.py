@@ -21,7 +21,8 @@ import threading
 
 import jax
 
-__all__ = ["kernels_available", "kernels_unavailable_reason", "use_reference", "dispatch", "ffi_call", "psum_to_match"]
+__all__ = ["kernels_available", "kernels_unavailable_reason", "use_reference", "dispatch", "ffi_call", "psum_to_match",
+           "kernel_opted_in", "OPT_IN"]
 
 
 def _make_reference_state():
@@ -103,6 +104,20 @@ def kernels_unavailable_reason() -> str | None:
     if not _has_cuda_backend():
         return "no CUDA device is visible to JAX; reference path only"
     return None
+
+
+OPT_IN_ENV = "JAXFOX_OPT_IN_KERNELS"
+OPT_IN = ("attention_pool", "grouped_matmul")
+"""Ops whose kernels are slower than XLA on the H200 so far (BENCHMARKS.md): they run the reference unless
+named in ``JAXFOX_OPT_IN_KERNELS`` (comma-separated, or ``all``), read when a function is traced."""
+
+
+def kernel_opted_in(op: str) -> bool:
+    """True when the opt-in kernel of ``op`` (one of :data:`OPT_IN`) is requested by ``JAXFOX_OPT_IN_KERNELS``."""
+    if op not in OPT_IN:
+        raise ValueError(f"kernel_opted_in: op must be one of {OPT_IN}, got {op!r}")
+    names = {n.strip() for n in os.environ.get(OPT_IN_ENV, "").split(",") if n.strip()}
+    return op in names or "all" in names
 
 
 def kernels_available() -> bool:

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["attention_pool_init", "attention_pool"]
@@ -253,7 +253,9 @@ def _dispatch(cfg, params, hs, mask):
     B, T, _ = hs.shape
     if B == 0 or T == 0 or cfg.tile_t < 1:
         return reference(params, hs, mask)
-    return dispatch(kernel, reference, params, hs, mask, batch=(False, True, True))
+    # opt-in: slower than XLA on the H200 so far (0.61x at B=32 T=64 H=128; BENCHMARKS.md)
+    return dispatch(kernel if kernel_opted_in("attention_pool") else reference, reference, params, hs, mask,
+                    batch=(False, True, True))
 
 
 def attention_pool(params, hs, mask=None, *, num_heads=4):

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in
 
 __all__ = ["grouped_matmul", "grouped_matmul_stacked", "wgrad_splits"]
 
@@ -348,15 +348,13 @@ _stack_kernel.defvjp(_stack_kernel_fwd, _stack_kernel_bwd)
 
 
 def _kernel_opted_in() -> bool:
-    """The grouped-GEMM kernels are opt-in (``JAXFOX_GROUPED_GEMM_KERNEL=1``, read at trace time).
+    """The grouped-GEMM kernels are opt-in (``JAXFOX_OPT_IN_KERNELS=grouped_matmul``, read at trace time).
 
     Measured on the H200 (BENCHMARKS.md, 2026-11-29) they are slower than XLA's cuBLAS calls: the IQL
     pair 0.23x and a mixed 5-group forward 0.59x. Until they win, grouped_matmul runs the per-group
     ``jnp.dot`` reference on every platform by default.
     """
-    import os
-
-    return os.environ.get("JAXFOX_GROUPED_GEMM_KERNEL", "0") not in ("", "0")
+    return kernel_opted_in("grouped_matmul")
 
 # ----------------------------------------------------------------------------------------------
 # Public API.

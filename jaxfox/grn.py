@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
 from jaxfox.reduce import reduce_chunks
 
 # The CUDA kernels for this op (ffi/grn.cu, ffi/vsn.cu) are not part of the package yet: on the H200
@@ -405,7 +405,7 @@ def _grn_kernel_bwd(cfg, res, dy):
     dw, da, dc, _, _ = _ffi_call("jaxfox_grn_bwd", out, vmap_method="broadcast_all")(
         w, _transpose_flat(lay, w), a, c, eta2, eta1, g, xhat, rstd, dy.astype(f32),
         chunks=np.int64(S), reduce_chunks=np.int64(rc), **_grn_attrs(cfg))
-    return dw, da, dc
+    return psum_to_match((dw, da, dc), (w, a, c))
 
 
 _grn_kernel.defvjp(_grn_kernel_fwd, _grn_kernel_bwd)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["batch_mesh", "batch_sharding", "check_divisible", "data_parallel_value_and_grad"]
 
@@ -107,6 +107,11 @@ def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: st
 
         in_specs = (P(),) + tuple(P(axis_name) if (i + 1) in batch_argnums else P() for i in range(len(args)))
         out_specs = ((P(), P(axis_name)), P()) if has_aux else (P(), P())
+        if any(t == AxisType.Explicit for t in mesh.axis_types):
+            # Explicit axes (jax.make_mesh's default) type every array with its sharding, and shard_map
+            # insists that it matches in_specs: lay the inputs out as the specs say first.
+            params, *args = (jax.tree.map(lambda x, s=spec: jax.reshard(x, NamedSharding(mesh, s)), a)
+                             for a, spec in zip((params, *args), in_specs))
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(params, *args)
 
     return wrapped

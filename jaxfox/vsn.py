@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
 from jaxfox.grn import (
     _check_context, _check_eps, _check_input, _common_dtype, _flatten, _grn_reference, _grn_sizes,
     _best_split, _layout, _Layout, _MAX_PARTIAL_FLOATS, _positive_int, _smem_bytes, _tile_rows, _transpose_flat, _wave,
@@ -221,7 +221,7 @@ def _vsn_kernel_bwd(cfg, res, cts):
         wsel, wsel_t, wvar, wvar_t, xs, c, v, eta2, eta1, g, xhat, rstd, dout.astype(f32), dv.astype(f32),
         chunks_sel=np.int64(Ss), chunks_var=np.int64(Sv), reduce_chunks_sel=np.int64(rcs),
         reduce_chunks_var=np.int64(rcv), **_vsn_attrs(cfg))
-    return dwsel, dwvar, dxs, dc
+    return psum_to_match((dwsel, dwvar, dxs, dc), (wsel, wvar, xs, c))
 
 
 _vsn_kernel.defvjp(_vsn_kernel_fwd, _vsn_kernel_bwd)

@@ -18,4 +18,36 @@ fi
 if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc
 fi
-python -m pip install -q ".${JAXFOX_EXTRAS:+[$JAXFOX_EXTRAS]}"
+# Install only when the sources or the compiler changed since the last install into this environment,
+# or an extra is asked for that it lacks (a fingerprint kept in the venv): with nvcc present an install
+# compiles the CUDA extension, which takes a few minutes.
+_jaxfox_fingerprint() {
+  {
+    echo "nvcc=$(command -v nvcc || echo "${CUDACXX:-none}")"
+    find pyproject.toml CMakeLists.txt ffi jaxfox -type f ! -path '*/__pycache__/*' ! -name '*.so' -print0 \
+      | sort -z | xargs -0 sha1sum
+  } | sha1sum | cut -d' ' -f1
+}
+_JAXFOX_STAMP="$(python -c 'import sys; print(sys.prefix)')/.jaxfox-install-stamp"
+_JAXFOX_FP="$(_jaxfox_fingerprint)"
+_jaxfox_have="" _jaxfox_skip=""
+if [ "$(head -n1 "$_JAXFOX_STAMP" 2>/dev/null)" = "$_JAXFOX_FP" ] \
+    && python -c 'import importlib.metadata as m; m.version("jaxfox")' >/dev/null 2>&1; then
+  _jaxfox_have="$(sed -n 2p "$_JAXFOX_STAMP")"
+  _jaxfox_skip=1
+  for _x in ${JAXFOX_EXTRAS:+${JAXFOX_EXTRAS//,/ }}; do
+    case ",$_jaxfox_have," in *",$_x,"*) ;; *) _jaxfox_skip="";; esac
+  done
+fi
+if [ -z "$_jaxfox_skip" ]; then
+  _jaxfox_extras="$(printf '%s\n' ${_jaxfox_have:+${_jaxfox_have//,/ }} ${JAXFOX_EXTRAS:+${JAXFOX_EXTRAS//,/ }} \
+    | sed '/^$/d' | sort -u | paste -sd, -)"
+  if command -v nvcc >/dev/null 2>&1 || [ -n "${CUDACXX:-}" ]; then
+    echo "installing jaxfox and compiling its CUDA extension (a few minutes; later runs skip this) ..." >&2
+  else
+    echo "installing jaxfox (no CUDA compiler: the pure-JAX package) ..." >&2
+  fi
+  python -m pip install -q ".${_jaxfox_extras:+[$_jaxfox_extras]}"
+  printf '%s\n%s\n' "$_JAXFOX_FP" "$_jaxfox_extras" > "$_JAXFOX_STAMP"
+fi
+unset _jaxfox_skip _jaxfox_have _jaxfox_extras _x

@@ -577,6 +577,7 @@ def kernel_path(monkeypatch):
 
     monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
     monkeypatch.setattr(attn_mod, "dispatch", lambda kernel, reference, *args, **_: kernel(*args))
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "attention_pool")  # the kernel is opt-in (jaxfox._ffi.OPT_IN)
     return calls
 
 

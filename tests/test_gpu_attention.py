@@ -9,6 +9,11 @@ max|kernel - reference| / max|reference| per array.
 from __future__ import annotations
 
 import functools
+import os
+
+# The attention_pool kernel is opt-in (slower than XLA so far, see jaxfox._ffi.OPT_IN); these tests exercise
+# it, and the command-buffer child processes inherit the setting.
+os.environ["JAXFOX_OPT_IN_KERNELS"] = "all"
 import textwrap
 
 import jax

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import textwrap
 
-# The kernels are opt-in (slower than XLA's cuBLAS so far, see jaxfox.gemm._kernel_opted_in); these tests
+# The kernels are opt-in (slower than XLA's cuBLAS so far, see jaxfox._ffi.OPT_IN); these tests
 # exercise them, and the command-buffer child processes inherit the setting.
-os.environ["JAXFOX_GROUPED_GEMM_KERNEL"] = "1"
+os.environ["JAXFOX_OPT_IN_KERNELS"] = "all"
 
 import jax
 import jax.numpy as jnp

@@ -8,6 +8,10 @@ one GPU's up to reduction order and repeat bitwise.
 
 from __future__ import annotations
 
+import os
+
+os.environ["JAXFOX_OPT_IN_KERNELS"] = "all"  # exercise attention_pool's (opt-in) kernel too
+
 import jax
 import jax.numpy as jnp
 import numpy as np

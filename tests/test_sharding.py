@@ -157,6 +157,7 @@ def test_kernel_path_lowers_per_shard_under_explicit_sharding(name, monkeypatch)
 
     monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
     monkeypatch.setattr(jaxfox.cfc, "_kernel_hidden_limit", lambda: 256)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "all")  # attention_pool's kernel is opt-in
     fn, params, batch = OPS[name](16)
     mesh = _typed_mesh(4, AxisType.Explicit)
     argnums = _grad_argnums(name, batch)
@@ -184,6 +185,7 @@ def test_kernel_path_traces_inside_shard_map(name, style, monkeypatch):
 
     monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
     monkeypatch.setattr(jaxfox.cfc, "_kernel_hidden_limit", lambda: 256)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "all")  # attention_pool's kernel is opt-in
     fn, params, batch = OPS[name](16)
     argnums = _grad_argnums(name, batch)
     loss = _loss(fn)
@@ -365,3 +367,47 @@ def test_dqn_bf16_gradient_on_4_devices():
     np.testing.assert_allclose(float(l4), float(l1), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(lb4), np.asarray(lb1), rtol=1e-5, atol=1e-6)
     assert rel_err(g4.flat, g1.flat) <= 2e-2  # bfloat16 has 8 significant bits
+
+
+# ----------------------------------------------------------------------------------------------
+# Regression tests for bugs found in review: jaxfox.sharding not reachable as an attribute;
+# data_parallel_value_and_grad on a jax.make_mesh (Explicit axes) mesh with unsharded inputs; grn / vsn
+# kernel backward passes not summing replicated cotangents inside shard_map.
+def test_review_jaxfox_sharding_reachable_as_attribute():
+    import subprocess
+    import sys
+
+    # a fresh interpreter: here another test may already have imported jaxfox.sharding
+    code = "import jaxfox; print(jaxfox.sharding.batch_mesh)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+
+
+def test_review_data_parallel_on_make_mesh_with_plain_inputs():
+    mesh = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])  # axis_types default: Explicit
+    x = np.arange(24.0, dtype=np.float32).reshape(8, 3) / 10
+    p = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+
+    def loss(p, x):
+        return jnp.mean(jnp.sum((x * p) ** 2, axis=1))
+
+    l, g = jax.jit(data_parallel_value_and_grad(loss, mesh))(p, jnp.asarray(x))
+    x64, p64 = x.astype(np.float64), np.asarray(p, np.float64)
+    np.testing.assert_allclose(float(l), np.mean(np.sum((x64 * p64) ** 2, axis=1)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g), np.mean(2 * x64 ** 2 * p64, axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["grn", "vsn"])
+def test_review_grn_vsn_kernel_path_traces_inside_shard_map(name, monkeypatch):
+    import importlib
+
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setattr(importlib.import_module(f"jaxfox.{name}"), "_KERNELS_ENABLED", True)
+    fn, params, batch = OPS[name](16)
+    loss = _loss(fn)
+    f = jax.shard_map(lambda p, *b: jax.grad(loss)(p, *b), mesh=_mesh(4),
+                      in_specs=(P(),) + (P("batch"),) * len(batch), out_specs=P())
+    text = jax.jit(f).trace(params, *batch).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"custom_call @jaxfox_{name}_bwd" in text and "all_reduce" in text

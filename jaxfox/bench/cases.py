@@ -154,6 +154,7 @@ def attention_pool_case(size: str) -> list[Variant]:
     """jaxfox.attention_pool forward+backward (value_and_grad of sum(pooled * w) w.r.t. params and hs).
 
     hs [B, T, H] with H = 128 (16 small), 4 heads, no mask; rows = B x T (2048 and 16384 by default).
+    The kernel is opt-in: the jaxfox path runs it only with JAXFOX_OPT_IN_KERNELS=attention_pool.
     """
     import jaxfox
 
@@ -195,7 +196,7 @@ def iql_pair_case(size: str) -> list[Variant]:
     (batched GEMM) pure-JAX einsums. float32, default matmul precision (TF32 on both paths on GPU).
     FLOPs: matmuls only, forward 2 B (D H + H) x 2 networks; forward+backward counted as 2x
     (the backward needs dW only for layer 1, dW and dX for layer 2).
-    The grouped-GEMM kernels are opt-in: the jaxfox path runs them only with JAXFOX_GROUPED_GEMM_KERNEL=1
+    The grouped-GEMM kernels are opt-in: the jaxfox path runs them only with JAXFOX_OPT_IN_KERNELS=grouped_matmul
     in the environment (see jaxfox.gemm); otherwise both paths run the reference.
     """
     import jaxfox
@@ -244,7 +245,7 @@ def grouped_matmul_case(size: str) -> list[Variant]:
     """jaxfox.grouped_matmul over groups of mixed shapes (M, K, N), with biases: forward only and
     forward+backward (value_and_grad of sum_g sum(y_g * c_g) w.r.t. xs, ws, bs). float32, default
     matmul precision. Reference path: one jnp.dot per group. FLOPs: 2 M K N per group (x3 fwd+bwd).
-    Kernels opt-in (JAXFOX_GROUPED_GEMM_KERNEL=1), as for iql_pair.
+    Kernels opt-in (JAXFOX_OPT_IN_KERNELS=grouped_matmul), as for iql_pair.
     """
     import jaxfox
 
