@@ -208,3 +208,25 @@ def assert_command_buffers_identical(script, tmp_path):
         assert np.array_equal(off[k], on[k]), f"{k}: command buffers on/off differ"
         if "_run" in k and not k.endswith("run0"):
             assert np.array_equal(on[k], on[k[:-1] + "0"]), f"{k}: differs from the first run"
+
+
+def execute_notebook(name, tmp_path, monkeypatch, env=None):
+    """Executes ``examples/<name>`` (committed without outputs) with nbclient, the repository first on
+    PYTHONPATH and ``env`` set, in ``tmp_path``. Returns (notebook with outputs, all stream text).
+    A failing cell (the notebooks assert their own values) raises CellExecutionError."""
+    import pathlib
+
+    import nbclient  # the `test` extra installs both; a missing one must fail, not skip
+    import nbformat
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    nb = nbformat.read(root / "examples" / name, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    return nb, text

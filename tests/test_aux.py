@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import jax
@@ -165,16 +164,8 @@ def test_train_aux_main_tiny(tmp_path, capsys):
 
 
 def test_notebook_executes(tmp_path, monkeypatch):
-    import nbclient
-    import nbformat
+    from conftest import execute_notebook
 
-    nb = nbformat.read(EXAMPLES / "aux.ipynb", as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
-    monkeypatch.setenv("JAXFOX_NB_SMALL", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    _, text = execute_notebook("aux.ipynb", tmp_path, monkeypatch, {"JAXFOX_NB_SMALL": "1"})
     assert "max |grouped - per-group dot|" in text
     assert "aux losses" in text

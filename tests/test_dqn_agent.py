@@ -184,20 +184,12 @@ def test_cartpole_cli_rejects_bad_args():
 
 # ---------------------------------------------------------------- the notebook
 def test_dqn_notebook_executes(tmp_path, monkeypatch):
-    import nbclient  # the `test` extra installs both; a missing one must fail, not skip
-    import nbformat
+    from conftest import execute_notebook
 
-    nb = nbformat.read(os.path.join(ROOT, "examples", "dqn.ipynb"), as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
-    for k, v in (("STEPS", "20"), ("ENVS", "8"), ("BATCH", "64"), ("WARMUP", "256")):
-        monkeypatch.setenv(f"JAXFOX_NB_DQN_{k}", v)
-    monkeypatch.setenv("JAXFOX_NB_PER_DRAWS", "500")
-    monkeypatch.setenv("JAXFOX_NB_OUT", str(tmp_path / "dqn"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()  # the notebook's own asserts (projection/loss vs NumPy, PER) raise CellExecutionError
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    env = {f"JAXFOX_NB_DQN_{k}": v for k, v in (("STEPS", "20"), ("ENVS", "8"), ("BATCH", "64"), ("WARMUP", "256"))}
+    env.update(JAXFOX_NB_PER_DRAWS="500", JAXFOX_NB_OUT=str(tmp_path / "dqn"))
+    # the notebook's own asserts (projection/loss vs NumPy, PER) raise CellExecutionError
+    nb, text = execute_notebook("dqn.ipynb", tmp_path, monkeypatch, env)
     assert "draws of the zero-priority slots 0 and 6: 0 0" in text
     assert "buy_and_hold" in text and "20 updates" in text
     m = json.load(open(tmp_path / "dqn" / "metrics.json"))

@@ -3,7 +3,6 @@ and the walkthrough notebook (examples/perception.ipynb). CPU; the real-data run
 
 import json
 import math
-import os
 import pathlib
 import sys
 
@@ -197,16 +196,8 @@ def test_main_job_rejects_bad_arguments(tmp_path):
 
 # ---------------------------------------------------------------- the notebook
 def test_notebook_executes(tmp_path, monkeypatch):
-    import nbclient  # the `test` extra installs both; a missing one must fail, not skip
-    import nbformat
+    from conftest import execute_notebook
 
-    nb = nbformat.read(EXAMPLES / "perception.ipynb", as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
-    monkeypatch.setenv("JAXFOX_NB_EPOCHS", "1")
-    monkeypatch.setenv("JAXFOX_NB_MAX_TRAIN", "256")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    _, text = execute_notebook("perception.ipynb", tmp_path, monkeypatch,
+                               {"JAXFOX_NB_EPOCHS": "1", "JAXFOX_NB_MAX_TRAIN": "256"})
     assert "test AUC" in text
