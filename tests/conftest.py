@@ -200,8 +200,12 @@ def assert_command_buffers_identical(script, tmp_path):
     """Runs `script` (see :func:`run_child_npz`) with XLA command buffers off and on (every graph
     captured); every saved array must be finite and bitwise equal across the two, and repeated runs
     (keys ending in ``_run<i>``) equal to the first."""
-    off = run_child_npz(script, "--xla_gpu_enable_command_buffer=", tmp_path / "off.npz")
-    on = run_child_npz(script, "--xla_gpu_graph_min_graph_size=1", tmp_path / "on.npz")
+    # Autotuning off in both: XLA times cuBLAS/fusion candidates in each process and may pick another
+    # algorithm in the other child, whose last bits differ; that is not what this compares. (Suspected
+    # cause of the attention test's intermittent B=256 loss mismatch, in 2 of 4 H200 runs; not yet
+    # confirmed on the GPU.)
+    off = run_child_npz(script, "--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0", tmp_path / "off.npz")
+    on = run_child_npz(script, "--xla_gpu_graph_min_graph_size=1 --xla_gpu_autotune_level=0", tmp_path / "on.npz")
     assert off.keys() == on.keys() and len(off) > 0
     for k in off:
         assert np.isfinite(off[k]).all(), k
