@@ -130,7 +130,10 @@ def make_cartpole_fns(env, env_params, args, dan, z, bf16):
 def main(argv=None) -> dict:
     """Trains and evaluates; returns the metrics dict also written to ``<out>/metrics.json``."""
     args = parse_args(argv)
-    import gymnax
+    try:
+        import gymnax
+    except ImportError as e:
+        raise SystemExit(f"train_cartpole.py needs gymnax: pip install '.[cartpole]' ({e})") from e
     import jax
     import jax.numpy as jnp
     from tqdm.auto import tqdm
