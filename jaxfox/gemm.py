@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 
 __all__ = ["grouped_matmul", "grouped_matmul_stacked", "wgrad_splits"]
 
@@ -226,12 +226,17 @@ def _list_kernel(plan, xs, ws, bs):
     return _list_fwd_impl(plan, xs, ws, bs)
 
 
+def _type_witness(a):
+    """A zero-size slice of ``a`` (no memory) that keeps its type (varying mesh axes) for the backward pass."""
+    return None if a is None else a.reshape(-1)[:0]
+
+
 def _list_kernel_fwd(plan, xs, ws, bs):
-    return _list_fwd_impl(plan, xs, ws, bs), (xs, ws)
+    return _list_fwd_impl(plan, xs, ws, bs), (xs, ws, tuple(_type_witness(b) for b in bs))
 
 
 def _list_kernel_bwd(plan, res, dys):
-    xs, ws = res
+    xs, ws, b_like = res
     G = len(xs)
     dtype = xs[0].dtype
     dys = [dy.astype(dtype) for dy in dys]
@@ -271,7 +276,9 @@ def _list_kernel_bwd(plan, res, dys):
             dws[g] = res_w[c]
             if d >= 0:
                 dbs[g] = res_w[d]
-    return tuple(dxs), tuple(dws), tuple(dbs)
+    G2 = len(xs)
+    sums = psum_to_match(tuple(dxs) + tuple(dws) + tuple(dbs), tuple(xs) + tuple(ws) + tuple(b_like))
+    return sums[:G2], sums[G2:2 * G2], sums[2 * G2:]
 
 
 _list_kernel.defvjp(_list_kernel_fwd, _list_kernel_bwd)
@@ -303,11 +310,11 @@ def _stack_kernel(plan, x, w, b):
 
 
 def _stack_kernel_fwd(plan, x, w, b):
-    return _stack_fwd_impl(plan, x, w, b), (x, w)
+    return _stack_fwd_impl(plan, x, w, b), (x, w, _type_witness(b))
 
 
 def _stack_kernel_bwd(plan, res, dy):
-    x, w = res
+    x, w, b_like = res
     G, K, N = w.shape
     M = x.shape[-2]
     dtype = x.dtype
@@ -340,7 +347,7 @@ def _stack_kernel_bwd(plan, res, dy):
         dw = res_w[0]
         if plan.has_bias:
             db = res_w[1]
-    return dx, dw, db
+    return psum_to_match((dx, dw, db), (x, w, b_like))
 
 
 _stack_kernel.defvjp(_stack_kernel_fwd, _stack_kernel_bwd)

@@ -411,3 +411,30 @@ def test_review_grn_vsn_kernel_path_traces_inside_shard_map(name, monkeypatch):
                       in_specs=(P(),) + (P("batch"),) * len(batch), out_specs=P())
     text = jax.jit(f).trace(params, *batch).lower(lowering_platforms=("cuda",)).as_text()
     assert f"custom_call @jaxfox_{name}_bwd" in text and "all_reduce" in text
+
+
+@pytest.mark.parametrize("form", ["list", "stacked"])
+def test_grouped_matmul_kernel_path_traces_inside_shard_map(form, monkeypatch):
+    """grouped_matmul's (opt-in) kernel path under shard_map with the rows split and the weights replicated:
+    the weight and bias gradients are summed over the devices, the rows' gradients stay per device."""
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grouped_matmul")
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.standard_normal((16, 6)), jnp.float32)
+    w = jnp.asarray(r.standard_normal((2, 6, 3)), jnp.float32)
+    b = jnp.asarray(r.standard_normal((2, 3)), jnp.float32)
+
+    def loss(w, b, x):
+        if form == "stacked":
+            y = jaxfox.grouped_matmul_stacked(x, w, b)
+            return jnp.sum(jnp.tanh(y))
+        ys = jaxfox.grouped_matmul([x, x[:, :4]], [w[0], w[1, :4]], [b[0], None])
+        return sum(jnp.sum(jnp.tanh(y)) for y in ys)
+
+    f = jax.shard_map(lambda w, b, x: jax.grad(loss, argnums=(0, 1, 2))(w, b, x), mesh=_mesh(4),
+                      in_specs=(P(), P(), P("batch")), out_specs=(P(), P(), P("batch")))
+    text = jax.jit(f).trace(w, b, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @jaxfox_grouped_gemm" in text and "custom_call @jaxfox_grouped_wgrad" in text
+    assert "all_reduce" in text and "all_gather" not in text
