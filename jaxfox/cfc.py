@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._validate import check_array as _check_array
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
@@ -124,17 +125,6 @@ class _Config(NamedTuple):
     units: int
     layers: int
     mode: str
-
-
-def _check_array(name, x, shape, dtype=jnp.float32):
-    """`shape` entries of None match any size. Raises TypeError/ValueError naming `name`."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
-    if len(x.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, x.shape)):
-        want = "[" + ", ".join("?" if w is None else str(w) for w in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
 
 
 def _config(params, input_size, mode) -> _Config:
