@@ -234,3 +234,41 @@ def execute_notebook(name, tmp_path, monkeypatch, env=None):
     client.execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     return nb, text
+
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+
+def assert_sum_close(got, x):
+    """Any summation order of n float32 terms is within (n - 1) u sum|x| of the exact sum."""
+    x64 = np.asarray(x, np.float64)
+    want = x64.sum(axis=0)
+    bound = max(x64.shape[0] - 1, 1) * U32 * np.abs(x64).sum(axis=0) * 1.01 + 1e-30
+    got = np.asarray(got)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= bound).all(), f"max excess {np.max(err - bound)}"
+
+
+def assert_raises_naming(fn, exc, *words):
+    """``fn()`` raises ``exc`` whose message contains every one of ``words``."""
+    import pytest
+
+    with pytest.raises(exc) as e:
+        fn()
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def import_main_job():
+    """examples/train_perception.py as a module (its ``main(argv)`` returns the metrics)."""
+    import pathlib
+    import sys
+
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        import train_perception
+    finally:
+        sys.path.remove(examples)
+    return train_perception

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from conftest import central_diff_grad, rel_err
+from conftest import assert_raises_naming as _bad, central_diff_grad, rel_err
 import jaxfox
 from jaxfox import attention_pool, attention_pool_init
 from jaxfox import attention as attn_mod
@@ -335,13 +335,6 @@ def test_bfloat16_hs_keeps_float32_softmax():
 
 # ----------------------------------------------------------------------------------------------
 # API errors.
-def _bad(fn, exc, *words):
-    with pytest.raises(exc) as e:
-        fn()
-    for w in words:
-        assert w in str(e.value), (w, str(e.value))
-
-
 def test_errors():
     params, hs, mask = _setup(2, 5, 8, 2)
     hs = jnp.asarray(hs)

@@ -21,7 +21,8 @@ from jax.test_util import check_grads
 
 import jaxfox
 
-from conftest import np_cfc_scan, random_cfc_params, random_inputs, rel_err, assert_command_buffers_identical
+from conftest import (assert_command_buffers_identical, assert_sum_close, np_cfc_scan, random_cfc_params, random_inputs,
+                      rel_err)
 
 if not jaxfox.kernels_available():
     pytest.skip(f"jaxfox CUDA kernels unavailable: {jaxfox.kernels_unavailable_reason()}",
@@ -262,20 +263,8 @@ def test_command_buffers_on_and_off_identical(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # reduce_axis0 kernel.
-U32 = 2.0 ** -24
 REDUCE_SHAPES = [(32, 1 << 20), (1, 1), (1, 4099), (3, 5), (4, 256), (5, 1027), (65, 1), (257, 3),
                  (1000, 1025), (4097, 5), (31, 1025), (130, 4096), (100000, 8), (3000, 70000)]
-
-
-def assert_sum_close(got, x):
-    """Any summation order of n float32 terms is within (n - 1) u sum|x| of the exact sum."""
-    x64 = np.asarray(x, np.float64)
-    want = x64.sum(axis=0)
-    bound = max(x64.shape[0] - 1, 1) * U32 * np.abs(x64).sum(axis=0) * 1.01 + 1e-30
-    got = np.asarray(got)
-    assert got.dtype == np.float32 and got.shape == want.shape
-    err = np.abs(got.astype(np.float64) - want)
-    assert (err <= bound).all(), f"max excess {np.max(err - bound)}"
 
 
 def test_reduce_kernel_is_used():

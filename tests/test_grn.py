@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from conftest import central_diff_grad, rel_err
+from conftest import assert_raises_naming as _bad, central_diff_grad, rel_err
 import jaxfox
 from jaxfox import grn, grn_init
 
@@ -289,13 +289,6 @@ def test_bfloat16_inputs_keep_float32_statistics():
 
 # ----------------------------------------------------------------------------------------------
 # Errors.
-def _bad(fn, exc, *words):
-    with pytest.raises(exc) as e:
-        fn()
-    for w in words:
-        assert w in str(e.value), (w, str(e.value))
-
-
 def test_errors():
     p = random_grn_params(5, 6, 3, 2)
     a = jnp.ones((4, 5))

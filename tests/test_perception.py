@@ -3,8 +3,6 @@ and the walkthrough notebook (examples/perception.ipynb). CPU; the real-data run
 
 import json
 import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +14,8 @@ import jaxfox
 import jaxfox.nn
 from jaxfox.models import benchmark_step, make_model, make_optimizer, train_step
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+from conftest import import_main_job
+
 
 
 # ---------------------------------------------------------------- independent float64 NumPy forward
@@ -159,17 +157,8 @@ def test_benchmark_step_is_pure_and_jittable():
 
 
 # ---------------------------------------------------------------- the main job on the real data
-def _import_main_job():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import train_perception
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return train_perception
-
-
 def test_main_job_one_short_epoch_on_real_data(tmp_path, capsys):
-    tp = _import_main_job()
+    tp = import_main_job()
     metrics = tp.main(["--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "metrics.json").read_text())
@@ -187,7 +176,7 @@ def test_main_job_one_short_epoch_on_real_data(tmp_path, capsys):
 
 
 def test_main_job_rejects_bad_arguments(tmp_path):
-    tp = _import_main_job()
+    tp = import_main_job()
     with pytest.raises(SystemExit):
         tp.main(["--epochs", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):

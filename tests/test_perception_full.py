@@ -8,8 +8,6 @@ google-research form; attention pooling as OPS.md; the CfC from conftest.np_cfc_
 
 import json
 import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,15 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import np_cfc_scan
+from conftest import import_main_job, np_cfc_scan
 from jaxfox.attention import attention_pool, attention_pool_init
 from jaxfox.grn import grn, grn_init
 from jaxfox.models.perception import Perception, evaluate, make_model, make_optimizer, predict, train_step
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 from jaxfox.vsn import vsn, vsn_init
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
 
 
 # ---------------------------------------------------------------- independent float64 NumPy forward
@@ -263,17 +259,8 @@ def test_perception_train_step_lowers_loss():
 
 
 # ---------------------------------------------------------------- the main job, --model full
-def _import_main_job():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import train_perception
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return train_perception
-
-
 def test_main_job_full_one_short_epoch_on_real_data(tmp_path, capsys):
-    tp = _import_main_job()
+    tp = import_main_job()
     metrics = tp.main(["--model", "full", "--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "metrics.json").read_text())
@@ -296,7 +283,7 @@ def test_main_job_full_one_short_epoch_on_real_data(tmp_path, capsys):
 
 
 def test_main_job_full_rejects_bad_arguments(tmp_path):
-    tp = _import_main_job()
+    tp = import_main_job()
     with pytest.raises(SystemExit):
         tp.main(["--model", "full", "--heads", "5", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):

@@ -10,7 +10,7 @@ import pytest
 from jaxfox import reduce_axis0
 from jaxfox.reduce import reduce_chunks
 
-U32 = 2.0 ** -24  # float32 unit roundoff
+from conftest import assert_sum_close
 
 SHAPES = [(1, 1), (1, 7), (2, 3), (3, 5), (4, 256), (5, 1027), (63, 33), (65, 1), (257, 3), (1000, 7),
           (4097, 5), (31, 1025), (130, 4096)]
@@ -18,17 +18,6 @@ SHAPES = [(1, 1), (1, 7), (2, 3), (3, 5), (4, 256), (5, 1027), (63, 33), (65, 1)
 
 def _random(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def assert_sum_close(got, x):
-    """Any summation order of n float32 terms is within (n - 1) u sum|x| of the exact sum."""
-    x64 = np.asarray(x, np.float64)
-    want = x64.sum(axis=0)
-    bound = max(x64.shape[0] - 1, 1) * U32 * np.abs(x64).sum(axis=0) * 1.01 + 1e-30
-    got = np.asarray(got)
-    assert got.dtype == np.float32 and got.shape == want.shape
-    err = np.abs(got.astype(np.float64) - want)
-    assert (err <= bound).all(), f"max excess {np.max(err - bound)}"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from conftest import rel_err
+from conftest import assert_raises_naming as _bad, rel_err
 import jaxfox
 from jaxfox import vsn, vsn_init
 from test_grn import (
@@ -170,13 +170,6 @@ def test_bfloat16_inputs_keep_float32_statistics():
     g32 = jax.grad(lambda x: jnp.sum(vsn(p, x)[0] * r))(xs16.astype(jnp.float32))
     assert g16.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(g16), np.asarray(g32.astype(jnp.bfloat16)))
-
-
-def _bad(fn, exc, *words):
-    with pytest.raises(exc) as e:
-        fn()
-    for w in words:
-        assert w in str(e.value), (w, str(e.value))
 
 
 def test_errors():
