@@ -244,14 +244,15 @@ def dispatch(kernel_fn, reference_fn, *args, batch=None):
     found = _explicit_batch_axes(args, batch) if batch is not None else None
     if found is None:
         return run(*args)
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import PartitionSpec
+
+    from jaxfox.sharding import reshard_args  # sharding imports no jaxfox module: no cycle
 
     mesh, axes = found
     split = PartitionSpec(axes)
     in_specs = tuple(split if b else PartitionSpec() for b in batch)
     # every batch leaf split over the same axes, every other argument whole on each device
-    args = tuple(jax.tree.map(lambda x, spec=spec: jax.reshard(x, NamedSharding(mesh, spec)), a)
-                 for a, spec in zip(args, in_specs))
+    args = reshard_args(mesh, args, in_specs)
     # check_vma=False: FFI calls do not type their results as device-varying; shard_map's transpose then
     # sums the cotangents of the replicated arguments over the axes explicitly (one psum each).
     return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=split, axis_names=set(axes),

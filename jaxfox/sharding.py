@@ -25,7 +25,7 @@ import numpy as np
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["batch_mesh", "batch_sharding", "check_divisible", "data_parallel_value_and_grad"]
+__all__ = ["batch_mesh", "batch_sharding", "check_divisible", "data_parallel_value_and_grad", "reshard_args"]
 
 AXIS = "batch"
 
@@ -56,6 +56,16 @@ def check_divisible(name: str, batch: int, mesh: Mesh, *, axis_name: str = AXIS)
         raise ValueError(f"{name}: the batch axis ({batch}) must be divisible by the {n} devices of the mesh "
                          f"axis {axis_name!r}; pass a smaller mesh (jaxfox.sharding.batch_mesh(devices)) or "
                          "another batch size")
+
+
+def reshard_args(mesh, args, specs) -> tuple:
+    """Each argument (a pytree) laid out over ``mesh`` as its ``PartitionSpec`` says (``jax.reshard``).
+
+    Needed before ``jax.shard_map`` on Explicit mesh axes, where an array's type carries its sharding and
+    must match ``in_specs``.
+    """
+    return tuple(jax.tree.map(lambda x, s=spec: jax.reshard(x, NamedSharding(mesh, s)), a)
+                 for a, spec in zip(args, specs))
 
 
 def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: str = AXIS, batch_argnums=(1,),
@@ -110,8 +120,7 @@ def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: st
         if any(t == AxisType.Explicit for t in mesh.axis_types):
             # Explicit axes (jax.make_mesh's default) type every array with its sharding, and shard_map
             # insists that it matches in_specs: lay the inputs out as the specs say first.
-            params, *args = (jax.tree.map(lambda x, s=spec: jax.reshard(x, NamedSharding(mesh, s)), a)
-                             for a, spec in zip((params, *args), in_specs))
+            params, *args = reshard_args(mesh, (params, *args), in_specs)
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(params, *args)
 
     return wrapped
