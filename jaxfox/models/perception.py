@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox.models.perception_v0 import data_parallel_step, make_optimizer
+from jaxfox.models.perception_v0 import check_window_batch, data_parallel_step, make_optimizer
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 
@@ -103,10 +103,7 @@ class Perception(nnx.Module):
         Raises:
           ValueError: x is not [B, T, m] with m = num_features.  TypeError: x is not float32.
         """
-        if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[-1] != self.num_features:
-            raise ValueError(f"x must have shape [B, T, {self.num_features}], got {getattr(x, 'shape', type(x))}")
-        if x.dtype != jnp.float32:
-            raise TypeError(f"x must be float32, got {x.dtype}")
+        check_window_batch(x, self.num_features)
         z, weights = self.vsn(self.embed(x))
         hs = self.cfc(z, ts)
         pooled, _ = self.pool(hs)

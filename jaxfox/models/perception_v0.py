@@ -42,6 +42,14 @@ validation AUC (2013-2015) of the main job (examples/train_perception.py, with i
 batch 32) over 6 seeds; larger models (H = 64, d = 4, U = 128) and lower rates scored lower on validation."""
 
 
+def check_window_batch(x, num_features: int) -> None:
+    """Checks a model input x [B, T, m]: ValueError unless 3-D with m = num_features, TypeError unless float32."""
+    if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[-1] != num_features:
+        raise ValueError(f"x must have shape [B, T, {num_features}], got {getattr(x, 'shape', type(x))}")
+    if x.dtype != jnp.float32:
+        raise TypeError(f"x must be float32, got {x.dtype}")
+
+
 class PerceptionV0(nnx.Module):
     """Embedding -> CfC -> last state -> linear head (module docstring for the equations).
 
@@ -86,10 +94,7 @@ class PerceptionV0(nnx.Module):
         Raises:
           ValueError: x is not [B, T, m] with m = num_features.  TypeError: x is not float32.
         """
-        if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[-1] != self.num_features:
-            raise ValueError(f"x must have shape [B, T, {self.num_features}], got {getattr(x, 'shape', type(x))}")
-        if x.dtype != jnp.float32:
-            raise TypeError(f"x must be float32, got {x.dtype}")
+        check_window_batch(x, self.num_features)
         hs = self.cfc(self.embed(x), ts)
         return self.head(hs[:, -1])[:, 0]
 
