@@ -7,7 +7,8 @@
 // weights of a [I+H -> U -> 4H] cell (350 KB for I=48, H=U=128) are spread over the cluster and
 // read from shared memory at every step instead of from L2. Each step is a chain of matrix-vector
 // products; after each one the CTAs exchange the slices they produced through distributed shared
-// memory (remote stores + cluster barrier). All sums are in a fixed order, so results do not
+// memory (st.async remote stores completing on the receiver's mbarrier; no cluster barrier or
+// fence per step). All sums are in a fixed order, so results do not
 // depend on timing, and a sample gives the same bits whatever the batch around it.
 //
 // Backward: one reverse-time launch computes input gradients and the pre-activation gradients of
@@ -41,45 +42,69 @@ struct CfcDims {
   __host__ __device__ int Kl(int l) const { return l == 0 ? K0 : U; }
 };
 
-// Shared-memory layout (offsets in floats). Weight slices first, padded to an odd row length so
-// that both row-wise (forward) and column-wise (backward) walks are free of bank conflicts.
+// Shared-memory layout (offsets in floats), computed once on the host and passed to the kernels
+// as a parameter (so every buffer address is `sm + constant`, which the compiler turns into
+// 32-bit shared-memory loads). Weight slices first, padded to an odd row length so that both
+// row-wise (forward) and column-wise (backward) walks are free of bank conflicts.
 struct Layout {
-  int64_t wb[kMaxLayers], bb[kMaxLayers], wh, bh;  // weight slices (when smem_w)
-  int64_t z, act, red, headv;                      // forward buffers
-  int64_t recv, dph, dpb, dts, actb;               // backward buffers
-  int64_t total;
+  int wb[kMaxLayers], bb[kMaxLayers], wh, bh;  // weight slices (when smem_w)
+  int red;                                     // partial sums of one product
+  int task, task_ld;                           // per-product work tables (int4), task_ld int4 per product
+  int mbar;                                    // 2 mbarriers per exchange kind (C > 1)
+  int z, act, headv;                           // forward buffers
+  int recv, dph, dpb, dts, actb;               // backward buffers
+  int total;
   int ldb, ldh, recv_slot;
 };
 
-__host__ __device__ inline int64_t Align4(int64_t n) { return (n + 3) & ~int64_t(3); }
+__host__ __device__ inline int Align4(int n) { return (n + 3) & ~3; }
 
-__host__ __device__ inline Layout MakeLayout(const CfcDims& d, bool bwd) {
+// Number of k-splits of a forward product with n_out outputs and reduction length K.
+__host__ __device__ inline int Splits(int n_out, int K) {
+  if (n_out <= 0) return 1;
+  int s = kNT / n_out;
+  int cap = K / 4;
+  if (s > cap) s = cap;
+  return s < 1 ? 1 : s;
+}
+
+// Number of splits of each column group of a transposed (backward) product.
+__host__ __device__ inline int TransposedSplits(int K, int G, int Wg) {
+  int s2 = kNT / (K * G > 0 ? K * G : 1);
+  if (s2 > Wg / 8) s2 = Wg / 8;
+  return s2 < 1 ? 1 : s2;
+}
+
+inline Layout MakeLayout(const CfcDims& d, bool bwd) {
   Layout s{};
   s.ldb = d.Uc + 1;
   s.ldh = d.nh * d.Hc + 1;
-  int64_t o = 0;
+  int o = 0;
   if (d.smem_w) {
     for (int l = 0; l < d.L; ++l) {
-      s.wb[l] = o; o += Align4(int64_t(d.Kl(l)) * s.ldb);
+      s.wb[l] = o; o += Align4(d.Kl(l) * s.ldb);
       s.bb[l] = o; o += Align4(d.Uc);
     }
-    s.wh = o; o += Align4(int64_t(d.Kh) * s.ldh);
+    s.wh = o; o += Align4(d.Kh * s.ldh);
     s.bh = o; o += Align4(d.nh * d.Hc);
   }
-  int red = kNT;  // largest partial-sum buffer of any product (see MatVecPartials / MatVecTPartials)
+  int red = kNT;  // most items of any product (forward: n_out * S; backward: K * G * S2)
   for (int v : {d.K0, d.U, d.nh * d.Hc, d.Kh * d.nh}) red = v > red ? v : red;
   s.red = o; o += Align4(red);
+  s.task_ld = red + 1;  // one header + the items
+  s.task = o; o += 4 * (d.L + 1) * s.task_ld;
+  s.mbar = o; o += Align4(2 * 2 * (d.L + 1));  // 8-byte mbarriers, 2 per exchange kind
   if (!bwd) {
     s.z = o; o += Align4(2 * d.K0);
-    s.act = o; o += Align4(int64_t(d.L) * d.U);
+    s.act = o; o += Align4(d.L * d.U);
     s.headv = o; o += Align4(d.nh * d.Hc);
   } else {
     s.recv_slot = d.Uc > d.Ic + d.Hc ? d.Uc : d.Ic + d.Hc;
-    s.recv = o; o += Align4(int64_t(2) * d.C * s.recv_slot);
+    s.recv = o; o += Align4((d.L + 1) * 2 * d.C * s.recv_slot);
     s.dph = o; o += Align4(d.nh * d.Hc);
     s.dpb = o; o += Align4(d.Uc);
     s.dts = o; o += Align4(2 * d.C);
-    s.actb = o; o += Align4(int64_t(d.L) * d.Uc);
+    s.actb = o; o += Align4(d.L * d.Uc);
   }
   s.total = o;
   return s;
@@ -99,54 +124,70 @@ __device__ __forceinline__ void ClusterSync() {
   }
 }
 
-// Split cluster barrier: global stores issued between Arrive and Wait are not covered by the
-// arrive's release, so the barrier does not wait for them to reach memory (they are off the
-// step-to-step critical path). With C == 1 the pair is one __syncthreads().
-template <int C>
-__device__ __forceinline__ void ClusterArrive() {
-  if constexpr (C > 1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-  }
+// Exchanges between the CTAs of a cluster go through distributed shared memory with st.async: each
+// remote 4-byte store signals the receiver's mbarrier (complete_tx), and the receiver waits on its
+// own mbarrier for the bytes it expects. No cluster-wide barrier and no memory fence sits on the
+// step-to-step path (the cluster barrier's release fence waited for every earlier global store).
+// Every exchange kind has two mbarriers used on alternate steps (a CTA can be at most one exchange
+// of a kind ahead of any receiver, so the bytes of step n + 1 never land in step n's phase).
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <int C>
-__device__ __forceinline__ void ClusterWait() {
-  if constexpr (C == 1) {
-    __syncthreads();
-  } else {
+__device__ __forceinline__ uint32_t MapRank(uint32_t addr, int rank) {
+  uint32_t r = addr;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __trap();
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
 #endif
-  }
+  return r;
 }
 
-template <int C>
-__device__ __forceinline__ float* Remote(float* p, int rank) {
-  if constexpr (C == 1) {
-    return p;
-  } else {
+__device__ __forceinline__ void MbarInit(uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return cg::this_cluster().map_shared_rank(p, rank);
-#else
-    return p;
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
 #endif
-  }
 }
 
-// Element (k, q, jj) of a weight slice: p[k * ld + q * qs + jj].
-struct WView {
-  const float* p;
-  int ld, qs;
-  __device__ __forceinline__ float operator()(int k, int q, int jj) const { return p[k * ld + q * qs + jj]; }
-  __device__ __forceinline__ const float* col(int q, int jj) const { return p + q * qs + jj; }
-  __device__ __forceinline__ const float* row(int k) const { return p + k * ld; }
-};
+__device__ __forceinline__ void MbarInitFence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// The receiver's own arrival for a phase, with the bytes that phase must receive.
+__device__ __forceinline__ void MbarExpect(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+#else
+  __trap();
+#endif
+}
+
+// 4-byte store into the shared memory of a cluster CTA (cluster address), completing 4 bytes of
+// the transaction count of the mbarrier at cluster address rbar in that CTA.
+__device__ __forceinline__ void StAsync(uint32_t raddr, float v, uint32_t rbar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(raddr),
+               "r"(__float_as_uint(v)), "r"(rbar)
+               : "memory");
+#else
+  __trap();
+#endif
+}
 
 __device__ __forceinline__ float LecunTanh(float x) { return kLecunA * tanhf(kLecunB * x); }
 __device__ __forceinline__ float LecunTanhGradFromOut(float y) {
@@ -156,22 +197,12 @@ __device__ __forceinline__ float LecunTanhGradFromOut(float y) {
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float Sign(float x) { return float((x > 0.f) - (x < 0.f)); }
 
-// Number of k-splits for a matrix-vector product with n_out outputs and reduction length K.
-__device__ __forceinline__ int Splits(int n_out, int K) {
-  if (n_out <= 0) return 1;
-  int s = kNT / n_out;
-  int cap = K / 4;
-  if (s > cap) s = cap;
-  return s < 1 ? 1 : s;
-}
-
-// Per-CTA slices and views.
+// This CTA's slice of the hidden units, backbone units and inputs.
 struct Slice {
   int c, j0, Hce, u0, Uce, x0, Ice;
-  WView wb[kMaxLayers], bb[kMaxLayers], wh, bh;
 };
 
-__device__ inline Slice MakeSlice(const CfcDims& d, const Layout& lay, float* sm, const float* w, int c) {
+__device__ __forceinline__ Slice MakeSlice(const CfcDims& d, int c) {
   Slice s;
   s.c = c;
   s.j0 = c * d.Hc;
@@ -180,8 +211,14 @@ __device__ inline Slice MakeSlice(const CfcDims& d, const Layout& lay, float* sm
   s.Uce = d.L > 0 ? max(0, min(d.U, s.u0 + d.Uc) - s.u0) : 0;
   s.x0 = c * d.Ic;
   s.Ice = max(0, min(d.I, s.x0 + d.Ic) - s.x0);
-  const int tid = threadIdx.x;
-  if (d.smem_w) {
+  return s;
+}
+
+// Copies this CTA's weight slices into shared memory (SmemW), or does nothing.
+template <bool SmemW>
+__device__ void StageWeights(const CfcDims& d, const Layout& lay, const Slice& s, float* sm, const float* w) {
+  if constexpr (SmemW) {
+    const int tid = threadIdx.x;
     for (int l = 0; l < d.L; ++l) {
       const int K = d.Kl(l);
       float* ws = sm + lay.wb[l];
@@ -190,8 +227,6 @@ __device__ inline Slice MakeSlice(const CfcDims& d, const Layout& lay, float* sm
         ws[k * lay.ldb + o] = w[d.off_w[l] + int64_t(k) * d.U + s.u0 + o];
       }
       for (int o = tid; o < s.Uce; o += kNT) sm[lay.bb[l] + o] = w[d.off_b[l] + s.u0 + o];
-      s.wb[l] = WView{ws, lay.ldb, 0};
-      s.bb[l] = WView{sm + lay.bb[l], 0, 0};
     }
     const int nhe = d.nh * s.Hce;
     float* wsh = sm + lay.wh;
@@ -203,150 +238,246 @@ __device__ inline Slice MakeSlice(const CfcDims& d, const Layout& lay, float* sm
       const int q = n / s.Hce, jj = n - q * s.Hce;
       sm[lay.bh + q * d.Hc + jj] = w[d.off_hb + q * d.H + s.j0 + jj];
     }
-    s.wh = WView{wsh, lay.ldh, d.Hc};
-    s.bh = WView{sm + lay.bh, 0, d.Hc};
-  } else {
-    for (int l = 0; l < d.L; ++l) {
-      s.wb[l] = WView{w + d.off_w[l] + s.u0, d.U, 0};
-      s.bb[l] = WView{w + d.off_b[l] + s.u0, 0, 0};
-    }
-    s.wh = WView{w + d.off_hw + s.j0, d.NH, d.H};
-    s.bh = WView{w + d.off_hb + s.j0, 0, d.H};
   }
-  return s;
 }
 
-// red[s * n_out + o] = sum_{k in split s} in[k] * col(o)[k * ld]. Four interleaved partial sums
-// break the FMA dependency chain; they are added as (a0 + a1) + (a2 + a3): a fixed order.
-template <typename ColFn>
-__device__ __forceinline__ void MatVecPartials(int n_out, int K, int S, const float* in, ColFn col, int ld,
-                                               float* red) {
-  const int kc = (K + S - 1) / S;
-  for (int item = threadIdx.x; item < n_out * S; item += kNT) {
-    const int s = item / n_out, o = item - s * n_out;
+// Weight views of the slices: element (k, col) at base[k * ld + col]; head q's column jj is
+// col = q * qs + jj. In shared memory (SmemW) or the parameter vector in global memory.
+template <bool SmemW>
+struct Weights {
+  const float* base;
+  int ld, qs;
+};
+
+template <bool SmemW>
+__device__ __forceinline__ Weights<SmemW> BackboneW(const CfcDims& d, const Layout& lay, const Slice& s,
+                                                    const float* sm, const float* w, int l) {
+  if constexpr (SmemW) return {sm + lay.wb[l], lay.ldb, 0};
+  else return {w + d.off_w[l] + s.u0, d.U, 0};
+}
+
+template <bool SmemW>
+__device__ __forceinline__ Weights<SmemW> HeadsW(const CfcDims& d, const Layout& lay, const Slice& s,
+                                                 const float* sm, const float* w) {
+  if constexpr (SmemW) return {sm + lay.wh, lay.ldh, d.Hc};
+  else return {w + d.off_hw + s.j0, d.NH, d.H};
+}
+
+template <bool SmemW>
+__device__ __forceinline__ float BackboneBias(const CfcDims& d, const Layout& lay, const Slice& s, const float* sm,
+                                              const float* w, int l, int o) {
+  if constexpr (SmemW) return sm[lay.bb[l] + o];
+  else return w[d.off_b[l] + s.u0 + o];
+}
+
+template <bool SmemW>
+__device__ __forceinline__ float HeadBias(const CfcDims& d, const Layout& lay, const Slice& s, const float* sm,
+                                          const float* w, int q, int jj) {
+  if constexpr (SmemW) return sm[lay.bh + q * d.Hc + jj];
+  else return w[d.off_hb + q * d.H + s.j0 + jj];
+}
+
+// Work tables, built once per launch so the time loop does no index arithmetic (no integer
+// divisions): product p's header task[p * ld] = (items, n_sum, n_split, 0) and item i's entry
+// task[p * ld + 1 + i]. Item i is computed by thread i % kNT and its partial sum goes to red[i];
+// output o of the product is red[o] + red[n_sum + o] + ... (n_split terms, fixed order).
+//
+// Forward product (out[o] = sum_k in[k] W[k, col(o)], n_out outputs, K-range split S ways):
+// entry = (col(o), k0, k1, 0) for item i = s * n_out + o.
+__device__ void BuildForwardTable(int4* tab, int n_out, int K, int Hce, int qs, bool heads) {
+  const int S = Splits(n_out, K), kc = (K + S - 1) / S, items = n_out * S;
+  if (threadIdx.x == 0) tab[0] = make_int4(items, n_out, S, 0);
+  for (int i = threadIdx.x; i < items; i += kNT) {
+    const int s = i / n_out, o = i - s * n_out;
     const int k0 = s * kc, k1 = min(K, k0 + kc);
-    const float* wc = col(o) + k0 * ld;
+    int col = o;
+    if (heads) {
+      const int q = o / Hce;
+      col = q * qs + (o - q * Hce);
+    }
+    tab[1 + i] = make_int4(col, k0, max(k0, k1), 0);
+  }
+}
+
+// Transposed product over G column groups of width Wg (dIn[k] = sum_g sum_jj W[k, g * qs + jj]
+// v[g * Wg + jj]), each group's columns split S2 ways: item i = (g * S2 + s2) * K + k has entry
+// (k * ld + g * qs, g * Wg, j0, j1).
+__device__ void BuildTransposedTable(int4* tab, int K, int G, int Wg, int ld, int qs) {
+  const int S2 = TransposedSplits(K, G, Wg), wc = (Wg + S2 - 1) / S2, items = K * G * S2;
+  if (threadIdx.x == 0) tab[0] = make_int4(items, K, G * S2, 0);
+  for (int i = threadIdx.x; i < items; i += kNT) {
+    const int split = i / K, k = i - split * K;
+    const int g = split / S2, s2 = split - g * S2;
+    const int j0 = min(Wg, s2 * wc), j1 = min(Wg, j0 + wc);
+    tab[1 + i] = make_int4(k * ld + g * qs, g * Wg, j0, j1);
+  }
+}
+
+// red[i] = partial of item i. Four interleaved partial sums break the FMA dependency chain; they
+// are added as (a0 + a1) + (a2 + a3): a fixed order.
+__device__ __forceinline__ void ForwardPartials(const int4* tab, const float* in, const float* wbase, int ld,
+                                                float* red) {
+  const int items = tab[0].x;
+  for (int i = threadIdx.x; i < items; i += kNT) {
+    const int4 e = tab[1 + i];
+    const float* wc = wbase + e.x + e.y * ld;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    int k = k0;
-    for (; k + 4 <= k1; k += 4, wc += 4 * ld) {
+    int k = e.y;
+    for (; k + 4 <= e.z; k += 4, wc += 4 * ld) {
       a0 = fmaf(in[k], wc[0], a0);
       a1 = fmaf(in[k + 1], wc[ld], a1);
       a2 = fmaf(in[k + 2], wc[2 * ld], a2);
       a3 = fmaf(in[k + 3], wc[3 * ld], a3);
     }
-    for (; k < k1; ++k, wc += ld) a0 = fmaf(in[k], wc[0], a0);
-    red[item] = (a0 + a1) + (a2 + a3);
+    for (; k < e.z; ++k, wc += ld) a0 = fmaf(in[k], wc[0], a0);
+    red[i] = (a0 + a1) + (a2 + a3);
   }
 }
 
-// Transposed product over G column groups of width Wg (group g at row offset g * qs; the vector
-// v holds group g at v[g * Wg]): red[(g * S2 + s2) * K + k] = sum_{jj in split s2} row(k)[g * qs + jj] * v[g * Wg + jj].
-__device__ __forceinline__ int TransposedSplits(int K, int G, int Wg) {
-  int s2 = kNT / (K * G > 0 ? K * G : 1);
-  if (s2 > Wg / 8) s2 = Wg / 8;
-  return s2 < 1 ? 1 : s2;
-}
-
-__device__ __forceinline__ void MatVecTPartials(int K, int G, int Wg, int S2, const WView& w, const float* v,
-                                                float* red) {
-  const int wc = (Wg + S2 - 1) / S2;
-  for (int item = threadIdx.x; item < K * G * S2; item += kNT) {
-    const int split = item / K, k = item - split * K;
-    const int g = split / S2, s2 = split - g * S2;
-    const int j0 = s2 * wc, j1 = min(Wg, j0 + wc);
-    const float* wr = w.row(k) + g * w.qs;
-    const float* vg = v + g * Wg;
+__device__ __forceinline__ void TransposedPartials(const int4* tab, const float* v, const float* wbase,
+                                                   float* red) {
+  const int items = tab[0].x;
+  for (int i = threadIdx.x; i < items; i += kNT) {
+    const int4 e = tab[1 + i];
+    const float* wr = wbase + e.x;
+    const float* vg = v + e.y;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    int jj = j0;
-    for (; jj + 4 <= j1; jj += 4) {
+    int jj = e.z;
+    for (; jj + 4 <= e.w; jj += 4) {
       a0 = fmaf(wr[jj], vg[jj], a0);
       a1 = fmaf(wr[jj + 1], vg[jj + 1], a1);
       a2 = fmaf(wr[jj + 2], vg[jj + 2], a2);
       a3 = fmaf(wr[jj + 3], vg[jj + 3], a3);
     }
-    for (; jj < j1; ++jj) a0 = fmaf(wr[jj], vg[jj], a0);
-    red[item] = (a0 + a1) + (a2 + a3);
+    for (; jj < e.w; ++jj) a0 = fmaf(wr[jj], vg[jj], a0);
+    red[i] = (a0 + a1) + (a2 + a3);
   }
 }
 
-__device__ __forceinline__ float SumSplits(const float* red, int n_out, int S, int o) {
+__device__ __forceinline__ float SumSplits(const float* red, int n_sum, int n_split, int o) {
   float v = red[o];
-  for (int s = 1; s < S; ++s) v += red[s * n_out + o];
+  for (int s = 1; s < n_split; ++s) v += red[s * n_sum + o];
   return v;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward: hs [S, T, H]; residuals acts [S, T, L*U] (post-activation), pre [S, T, NH] (head
-// pre-activations), S = V * B samples.
-template <int C>
+// pre-activations), S = V * B samples. Exchange kinds: backbone layer l (kind l, every CTA sends
+// its U-slice to every CTA: 4 U bytes per receiver) and the new hidden state (kind L, 4 H bytes).
+template <int C, bool SmemW>
 __global__ void __launch_bounds__(kNT)
-cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict__ ts,
+cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout lay, const float* __restrict__ xs, const float* __restrict__ ts,
                const float* __restrict__ h0, const float* __restrict__ wflat, float* __restrict__ hs,
                float* __restrict__ acts, float* __restrict__ pre) {
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
   const int c = C == 1 ? 0 : int(blockIdx.x % C);
   const int64_t sb = blockIdx.x / C;
   const float* w = wflat + (sb / d.B) * d.P;
-  const Layout lay = MakeLayout(d, false);
-  const Slice s = MakeSlice(d, lay, sm, w, c);
+  const Slice s = MakeSlice(d, c);
   const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, L = d.L, K0 = d.K0;
+  const int Hce = s.Hce, nhe = d.nh * Hce;
   float* z = sm + lay.z;  // z[par * K0 + k]: x_t then h_{t-1}
   float* act = sm + lay.act;
   float* red = sm + lay.red;
   float* headv = sm + lay.headv;
+  int4* task = reinterpret_cast<int4*>(sm + lay.task);
 
+  StageWeights<SmemW>(d, lay, s, sm, w);
+  for (int l = 0; l < L; ++l) BuildForwardTable(task + l * lay.task_ld, s.Uce, d.Kl(l), 1, 0, false);
+  BuildForwardTable(task + L * lay.task_ld, nhe, d.Kh, Hce, HeadsW<SmemW>(d, lay, s, sm, w).qs, true);
   for (int j = tid; j < H; j += kNT) z[I + j] = h0[sb * H + j];
+
+  // Exchange bookkeeping (C > 1): rbase[r] = cluster address of rank r's shared memory.
+  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);  // mbarrier (kind, par) at mbar0 + 8 (2 kind + par)
+  uint32_t rbase[C];
+#pragma unroll
+  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  auto kind_bytes = [&](int kind) { return uint32_t(4 * (kind < L ? U : H)); };
+  auto kind_steps = [&](int kind) { return kind < L ? T : T - 1; };  // steps that run the exchange
+  if constexpr (C > 1) {
+    if (tid == 0) {
+      for (int kind = 0; kind <= L; ++kind)
+        for (int par = 0; par < 2; ++par) {
+          const uint32_t bar = mbar0 + 8 * (2 * kind + par);
+          MbarInit(bar);
+          if (par < kind_steps(kind)) MbarExpect(bar, kind_bytes(kind));
+        }
+      MbarInitFence();
+    }
+  }
+  // Sends v to element `e` (float offset in shared memory) of every CTA of the cluster.
+  auto broadcast = [&](int e, float v, int kind, int t) {
+    if constexpr (C == 1) {
+      sm[e] = v;
+    } else {
+      const uint32_t bar_off = SmemAddr(sm + lay.mbar) - SmemAddr(sm) + 8 * (2 * kind + (t & 1));
+#pragma unroll
+      for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off);
+    }
+  };
+  // Waits for exchange `kind` of step t, then re-arms its mbarrier for step t + 2.
+  auto receive = [&](int kind, int t) {
+    if constexpr (C == 1) {
+      __syncthreads();
+    } else {
+      const uint32_t bar = mbar0 + 8 * (2 * kind + (t & 1));
+      MbarWait(bar, (t >> 1) & 1);
+      if (tid == 0 && t + 2 < kind_steps(kind)) MbarExpect(bar, kind_bytes(kind));
+    }
+  };
+
   float wtau = 0.f, Ap = 0.f;
-  if (d.mode == kPure && tid < s.Hce) {
+  if (d.mode == kPure && tid < Hce) {
     wtau = fabsf(w[d.off_tau + s.j0 + tid]);
     Ap = w[d.off_A + s.j0 + tid];
   }
   const float* xrow = xs + sb * T * I;
   float xnext = tid < I ? xrow[tid] : 0.f;
   float tsnext = ts[sb * T];
-  ClusterSync<C>();  // weight slices staged, every CTA of the cluster running
+  ClusterSync<C>();  // weights and tables staged, mbarriers initialised, every CTA running
 
-  const int nhe = d.nh * s.Hce;
+  const Weights<SmemW> wh = HeadsW<SmemW>(d, lay, s, sm, w);
   for (int t = 0; t < T; ++t) {
     float* zt = z + (t & 1) * K0;
-    float* zn = z + ((t + 1) & 1) * K0;
+    const int zn_off = lay.z + ((t + 1) & 1) * K0;
     const float tst = tsnext;
     if (tid < I) zt[tid] = xnext;
     if (t + 1 < T) {
       if (tid < I) xnext = xrow[(t + 1) * I + tid];
       tsnext = ts[sb * T + t + 1];
     }
+    if (C > 1 && t > 0) receive(L, t - 1);  // h_{t-1} (with C == 1 the barrier below covers it)
     __syncthreads();
     const int64_t row = sb * T + t;
     // Backbone layers.
     for (int l = 0; l < L; ++l) {
       const float* in = l == 0 ? zt : act + (l - 1) * U;
-      const int K = d.Kl(l);
-      const int S = Splits(s.Uce, K);
-      const WView wv = s.wb[l];
-      MatVecPartials(s.Uce, K, S, in, [&](int o) { return wv.col(0, o); }, wv.ld, red);
+      const Weights<SmemW> wv = BackboneW<SmemW>(d, lay, s, sm, w, l);
+      const int4* tab = task + l * lay.task_ld;
+      ForwardPartials(tab, in, wv.base, wv.ld, red);
       __syncthreads();
+      const int S = tab[0].z;
       for (int o = tid; o < s.Uce; o += kNT) {
-        const float a = LecunTanh(SumSplits(red, s.Uce, S, o) + s.bb[l](0, 0, o));
-#pragma unroll
-        for (int r = 0; r < C; ++r) Remote<C>(act + l * U, r)[s.u0 + o] = a;
+        const float a = LecunTanh(SumSplits(red, s.Uce, S, o) + BackboneBias<SmemW>(d, lay, s, sm, w, l, o));
+        broadcast(lay.act + l * U + s.u0 + o, a, l, t);
+        acts[row * L * U + l * U + s.u0 + o] = a;
       }
-      ClusterArrive<C>();
-      for (int o = tid; o < s.Uce; o += kNT) acts[row * L * U + l * U + s.u0 + o] = act[l * U + s.u0 + o];
-      ClusterWait<C>();
+      // Every sender of this exchange (every CTA, this one included) read `red` before sending,
+      // so once the exchange is complete `red` is free again.
+      receive(l, t);
     }
     // Heads: local column o = q * Hce + jj.
     {
       const float* in = L > 0 ? act + (L - 1) * U : zt;
-      const int S = Splits(nhe, d.Kh);
-      const WView wv = s.wh;
-      const int Hce = s.Hce;
-      MatVecPartials(nhe, d.Kh, S, in, [&](int o) { const int q = o / Hce; return wv.col(q, o - q * Hce); }, wv.ld, red);
+      const int4* tab = task + L * lay.task_ld;
+      ForwardPartials(tab, in, wh.base, wh.ld, red);
       __syncthreads();
+      const int S = tab[0].z;
       for (int o = tid; o < nhe; o += kNT) {
         const int q = o / Hce, jj = o - q * Hce;
-        const float v = SumSplits(red, nhe, S, o) + s.bh(0, q, jj);
+        const float v = SumSplits(red, nhe, S, o) + HeadBias<SmemW>(d, lay, s, sm, w, q, jj);
         headv[o] = v;
+        pre[row * d.NH + q * H + s.j0 + jj] = v;
       }
       __syncthreads();
       for (int jj = tid; jj < Hce; jj += kNT) {
@@ -361,44 +492,48 @@ cfc_fwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
           const float g = Sigmoid(headv[2 * Hce + jj] * tst + headv[3 * Hce + jj]);
           h = d.mode == kNoGate ? f1 + g * f2 : f1 * (1.f - g) + g * f2;
         }
-#pragma unroll
-        for (int r = 0; r < C; ++r) Remote<C>(zn, r)[I + s.j0 + jj] = h;
+        hs[row * H + s.j0 + jj] = h;
+        if (t + 1 < T) broadcast(zn_off + I + s.j0 + jj, h, L, t);
       }
-      ClusterArrive<C>();
-      for (int o = tid; o < nhe; o += kNT) {
-        const int q = o / Hce, jj = o - q * Hce;
-        pre[row * d.NH + q * H + s.j0 + jj] = headv[o];
-      }
-      for (int jj = tid; jj < Hce; jj += kNT) hs[row * H + s.j0 + jj] = zn[I + s.j0 + jj];
-      ClusterWait<C>();
     }
   }
+  ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward through time. Writes dxs, dts, dh0, the pre-activation gradients dpre_bb [S, T, L*U]
 // and dpre_h [S, T, NH] (for the weight-gradient kernel), and in pure mode the w_tau / A entries
-// of the per-sample partials.
-template <int C>
+// of the per-sample partials. Exchange kinds, in step order: 0 = the heads' input gradient (plus
+// each CTA's dts partial, sent to rank 0), 1 + i = backbone layer L - 1 - i's input gradient.
+// Each CTA sends the partial sum over its own columns of every input gradient entry to the CTA
+// that owns the entry, which adds the C partials in rank order.
+template <int C, bool SmemW>
 __global__ void __launch_bounds__(kNT)
-cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict__ ts,
+cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout lay, const float* __restrict__ xs, const float* __restrict__ ts,
                const float* __restrict__ wflat, const float* __restrict__ acts,
                const float* __restrict__ pre, const float* __restrict__ dhs, float* __restrict__ dxs,
                float* __restrict__ dts, float* __restrict__ dh0, float* __restrict__ dpre_bb,
                float* __restrict__ dpre_h, float* __restrict__ partials) {
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
   const int c = C == 1 ? 0 : int(blockIdx.x % C);
   const int64_t sb = blockIdx.x / C;
   const float* w = wflat + (sb / d.B) * d.P;
-  const Layout lay = MakeLayout(d, true);
-  const Slice s = MakeSlice(d, lay, sm, w, c);
+  const Slice s = MakeSlice(d, c);
   const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, L = d.L;
-  const int Hce = s.Hce, slot = lay.recv_slot;
-  float* recv = sm + lay.recv;  // recv[(par * C + src) * slot + i]
+  const int Hce = s.Hce, slot = lay.recv_slot, nq = d.nh;
   float* dph = sm + lay.dph;
   float* dpb = sm + lay.dpb;
   float* red = sm + lay.red;
-  float* dtsb = sm + lay.dts;   // dtsb[par * C + src] (read by rank 0)
+  int4* task = reinterpret_cast<int4*>(sm + lay.task);
+
+  StageWeights<SmemW>(d, lay, s, sm, w);
+  const Weights<SmemW> wh = HeadsW<SmemW>(d, lay, s, sm, w);
+  BuildTransposedTable(task, d.Kh, nq, Hce, wh.ld, wh.qs);
+  for (int i = 0; i < L; ++i) {
+    const int l = L - 1 - i;
+    const Weights<SmemW> wv = BackboneW<SmemW>(d, lay, s, sm, w, l);
+    BuildTransposedTable(task + (1 + i) * lay.task_ld, d.Kl(l), 1, s.Uce, wv.ld, 0);
+  }
 
   // Per-thread state of hidden unit j = j0 + tid (tid < Hce).
   const bool own_h = tid < Hce;
@@ -408,13 +543,36 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
     Ap = w[d.off_A + j];
     wt = w[d.off_tau + j];
   }
-  ClusterSync<C>();
 
-  int ph = 0;  // exchange phase counter: buffers alternate by its parity
-  // Sends the partial out[k] (k over the z vector of width K0, or over U) to its owner CTA.
-  auto send = [&](int k, float v, bool zspace) {
+  // Exchange kind e lands in recv(e, par, src, idx) = sm[lay.recv + ((e * 2 + par) * C + src) * slot + idx].
+  auto zspace = [&](int e) { return e == L; };  // the last exchange of a step is the input layer's
+  auto kind_bytes = [&](int e) {
+    const int owned = zspace(e) ? s.Ice + Hce : s.Uce;
+    return uint32_t(4 * (C * owned + (e == 0 && c == 0 ? C : 0)));
+  };
+  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
+  if constexpr (C > 1) {
+    if (tid == 0) {
+      for (int e = 0; e <= L; ++e)
+        for (int par = 0; par < 2; ++par) {
+          const uint32_t bar = mbar0 + 8 * (2 * e + par);
+          MbarInit(bar);
+          if (par < T) MbarExpect(bar, kind_bytes(e));
+        }
+      MbarInitFence();
+    }
+  }
+  auto put = [&](int rank, int e_off, float v, int e, int par) {  // e_off: float offset in sm
+    if constexpr (C == 1) {
+      sm[e_off] = v;
+    } else {
+      StAsync(MapRank(SmemAddr(sm + e_off), rank), v, MapRank(mbar0 + 8 * (2 * e + par), rank));
+    }
+  };
+  // Sends the partial out[k] of exchange e (k over the z vector of width K0, or over U) to its owner.
+  auto send = [&](int k, float v, int e, int par) {
     int owner, idx;
-    if (!zspace) {
+    if (!zspace(e)) {
       owner = k / d.Uc; idx = k - owner * d.Uc;
     } else if (k < I) {
       owner = k / d.Ic; idx = k - owner * d.Ic;
@@ -422,19 +580,29 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       const int jj = k - I;
       owner = jj / d.Hc; idx = d.Ic + jj - owner * d.Hc;
     }
-    Remote<C>(recv, owner)[((ph & 1) * C + c) * slot + idx] = v;
+    put(owner, lay.recv + ((e * 2 + par) * C + c) * slot + idx, v, e, par);
   };
-  auto gather = [&](int idx) {  // fixed order over source CTAs
-    const float* r = recv + (ph & 1) * C * slot + idx;
+  auto gather = [&](int e, int par, int idx) {  // fixed order over source CTAs
+    const float* r = sm + lay.recv + (e * 2 + par) * C * slot + idx;
     float v = r[0];
 #pragma unroll
     for (int src = 1; src < C; ++src) v += r[src * slot];
     return v;
   };
+  // Waits for exchange e of step n (n counts steps from the end), re-arms its mbarrier for step
+  // n + 2, and holds every thread until the whole CTA is past the exchange (so `red` and the
+  // vectors the partials were computed from can be overwritten).
+  auto receive = [&](int e, int n) {
+    if constexpr (C > 1) {
+      const uint32_t bar = mbar0 + 8 * (2 * e + (n & 1));
+      MbarWait(bar, (n >> 1) & 1);
+      if (tid == 0 && n + 2 < T) MbarExpect(bar, kind_bytes(e));
+    }
+    __syncthreads();
+  };
 
   // Register prefetch of the next (earlier) step's per-thread inputs: the loads are issued one
-  // step ahead, so their latency overlaps the current step's products and barriers.
-  const int nq = d.nh;
+  // step ahead, so their latency overlaps the current step's products and exchanges.
   float n_ts = 0.f, n_dh = 0.f, n_pre[4] = {0.f, 0.f, 0.f, 0.f}, n_act[kMaxLayers] = {0.f, 0.f, 0.f, 0.f};
   auto prefetch = [&](int tt) {
     if (tt < 0) return;
@@ -452,8 +620,10 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
   };
   float* actb = sm + lay.actb;  // this step's activations of the owned backbone units, [L][Uc]
   prefetch(T - 1);
+  ClusterSync<C>();  // weights and tables staged, mbarriers initialised, every CTA running
 
   for (int t = T - 1; t >= 0; --t) {
+    const int n = T - 1 - t, par = n & 1;
     const int64_t row = sb * T + t;
     const float tst = n_ts, dhs_t = n_dh;
     const float p0 = n_pre[0], p1 = n_pre[1], p2 = n_pre[2], p3 = n_pre[3];
@@ -498,33 +668,32 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
         dts_part = dgp * ta;
       }
     }
-    red[tid] = dts_part;  // red is free here: the last reads of it were before a cluster barrier
+    red[tid] = dts_part;  // red is free: every thread passed the last exchange's barrier
     __syncthreads();
-    // dts partial of this CTA: warp 0 sums red[0..Hce) in a fixed shuffle order.
+    // dts partial of this CTA: warp 0 sums red[0..Hce) in a fixed shuffle order, sends it to rank 0.
     if (tid < 32) {
       float v = 0.f;
       for (int i = tid; i < Hce; i += 32) v += red[i];
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (tid == 0) Remote<C>(dtsb, 0)[(ph & 1) * C + c] = v;
+      if (tid == 0) put(0, lay.dts + par * C + c, v, 0, par);
     }
     __syncthreads();
     // 2. Heads transposed: partial dIn[k] = sum_{own cols} Wh[k, col] * dph[col], one column
     //    group per head.
     {
-      const int K = d.Kh;
-      const int S2 = TransposedSplits(K, nq, Hce);
-      MatVecTPartials(K, nq, Hce, S2, s.wh, dph, red);
+      const int4* tab = task;
+      TransposedPartials(tab, dph, wh.base, red);
       __syncthreads();
-      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, nq * S2, k), L == 0);
-      ClusterArrive<C>();
+      const int K = d.Kh, nsplit = tab[0].z;
+      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, nsplit, k), 0, par);
       if (own_h) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) if (q < nq) dpre_h[row * d.NH + q * H + j] = dph[q * Hce + tid];
       }
-      ClusterWait<C>();
+      receive(0, n);
       if (c == 0 && tid == 0) {
-        const float* r = dtsb + (ph & 1) * C;
+        const float* r = sm + lay.dts + par * C;
         float v = r[0];
 #pragma unroll
         for (int src = 1; src < C; ++src) v += r[src];
@@ -532,27 +701,25 @@ cfc_bwd_kernel(CfcDims d, const float* __restrict__ xs, const float* __restrict_
       }
     }
     // 3. Backbone layers, last to first.
-    for (int l = L - 1; l >= 0; --l) {
+    for (int i = 0; i < L; ++i) {
+      const int l = L - 1 - i;
       for (int o = tid; o < s.Uce; o += kNT) {
         const float a = o < kNT ? actb[l * d.Uc + o] : acts[row * L * U + l * U + s.u0 + o];
-        const float g = gather(o) * LecunTanhGradFromOut(a);
-        dpb[o] = g;
+        dpb[o] = gather(i, par, o) * LecunTanhGradFromOut(a);
       }
-      ++ph;
       __syncthreads();
-      const int K = d.Kl(l);
-      const int S2 = TransposedSplits(K, 1, s.Uce);
-      MatVecTPartials(K, 1, s.Uce, S2, s.wb[l], dpb, red);
+      const int4* tab = task + (1 + i) * lay.task_ld;
+      const Weights<SmemW> wv = BackboneW<SmemW>(d, lay, s, sm, w, l);
+      TransposedPartials(tab, dpb, wv.base, red);
       __syncthreads();
-      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, S2, k), l == 0);
-      ClusterArrive<C>();
+      const int K = d.Kl(l), nsplit = tab[0].z;
+      for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, nsplit, k), 1 + i, par);
       for (int o = tid; o < s.Uce; o += kNT) dpre_bb[row * L * U + l * U + s.u0 + o] = dpb[o];
-      ClusterWait<C>();
+      receive(1 + i, n);
     }
     // 4. z-space gradients: dx_t for own inputs, dh_{t-1} for own hidden units.
-    for (int i = tid; i < s.Ice; i += kNT) dxs[row * I + s.x0 + i] = gather(i);
-    if (own_h) dh_carry = gather(d.Ic + tid);
-    ++ph;
+    for (int i = tid; i < s.Ice; i += kNT) dxs[row * I + s.x0 + i] = gather(L, par, i);
+    if (own_h) dh_carry = gather(L, par, d.Ic + tid);
   }
   if (own_h) {
     dh0[sb * H + j] = dh_carry;
@@ -755,9 +922,6 @@ ffi::Error LaunchCluster(Kernel kernel, int C, int64_t samples, int64_t smem, cu
   return ffi::Error::Success();
 }
 
-template <template <int> class K>
-struct ByCluster;
-
 ffi::Error CheckInputs(const CfcDims& d, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::F32>& ts,
                        ffi::Buffer<ffi::F32>& h0, ffi::Buffer<ffi::F32>& w, int64_t* V, int64_t* B, int64_t* T) {
   auto xd = xs.dimensions();
@@ -794,15 +958,21 @@ ffi::Error CfcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   if (S == 0 || T == 0) return ffi::Error::Success();
   d.B = B; d.T = T; d.V = V;
   JAXFOX_RETURN_IF_ERROR(ChooseCluster(&d));
-  const int64_t smem = MakeLayout(d, false).total * sizeof(float);
+  const Layout lay = MakeLayout(d, false);
+  const int64_t smem = int64_t(lay.total) * sizeof(float);
   const float *px = xs.typed_data(), *pt = ts.typed_data(), *ph = h0.typed_data(), *pw = w.typed_data();
   float *o1 = hs->typed_data(), *o2 = acts->typed_data(), *o3 = pre->typed_data();
+  auto launch = [&](auto kernel) { return LaunchCluster(kernel, d.C, S, smem, stream, d, lay, px, pt, ph, pw, o1, o2, o3); };
   ffi::Error e = ffi::Error::Success();
-  switch (d.C) {
-    case 1: e = LaunchCluster(cfc_fwd_kernel<1>, 1, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
-    case 2: e = LaunchCluster(cfc_fwd_kernel<2>, 2, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
-    case 4: e = LaunchCluster(cfc_fwd_kernel<4>, 4, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
-    default: e = LaunchCluster(cfc_fwd_kernel<8>, 8, S, smem, stream, d, px, pt, ph, pw, o1, o2, o3); break;
+  switch (d.C * 2 + d.smem_w) {
+    case 2: e = launch(cfc_fwd_kernel<1, false>); break;
+    case 3: e = launch(cfc_fwd_kernel<1, true>); break;
+    case 4: e = launch(cfc_fwd_kernel<2, false>); break;
+    case 5: e = launch(cfc_fwd_kernel<2, true>); break;
+    case 8: e = launch(cfc_fwd_kernel<4, false>); break;
+    case 9: e = launch(cfc_fwd_kernel<4, true>); break;
+    case 16: e = launch(cfc_fwd_kernel<8, false>); break;
+    default: e = launch(cfc_fwd_kernel<8, true>); break;
   }
   JAXFOX_RETURN_IF_ERROR(e);
   return LastCudaError("cfc_fwd");
@@ -846,17 +1016,25 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   }
   d.B = B; d.T = T; d.V = V;
   JAXFOX_RETURN_IF_ERROR(ChooseCluster(&d));
-  const int64_t smem = MakeLayout(d, true).total * sizeof(float);
+  const Layout lay = MakeLayout(d, true);
+  const int64_t smem = int64_t(lay.total) * sizeof(float);
   const float *px = xs.typed_data(), *pt = ts.typed_data(), *pw = w.typed_data(), *pa = acts.typed_data(),
               *pp = pre.typed_data(), *pd = dhs.typed_data();
   float *gx = dxs->typed_data(), *gt = dts->typed_data(), *gh = dh0->typed_data(), *gbb = dpre_bb->typed_data(),
         *gph = dpre_h->typed_data(), *part = partials->typed_data();
+  auto launch = [&](auto kernel) {
+    return LaunchCluster(kernel, d.C, S, smem, stream, d, lay, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part);
+  };
   ffi::Error e = ffi::Error::Success();
-  switch (d.C) {
-    case 1: e = LaunchCluster(cfc_bwd_kernel<1>, 1, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
-    case 2: e = LaunchCluster(cfc_bwd_kernel<2>, 2, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
-    case 4: e = LaunchCluster(cfc_bwd_kernel<4>, 4, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
-    default: e = LaunchCluster(cfc_bwd_kernel<8>, 8, S, smem, stream, d, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part); break;
+  switch (d.C * 2 + d.smem_w) {
+    case 2: e = launch(cfc_bwd_kernel<1, false>); break;
+    case 3: e = launch(cfc_bwd_kernel<1, true>); break;
+    case 4: e = launch(cfc_bwd_kernel<2, false>); break;
+    case 5: e = launch(cfc_bwd_kernel<2, true>); break;
+    case 8: e = launch(cfc_bwd_kernel<4, false>); break;
+    case 9: e = launch(cfc_bwd_kernel<4, true>); break;
+    case 16: e = launch(cfc_bwd_kernel<8, false>); break;
+    default: e = launch(cfc_bwd_kernel<8, true>); break;
   }
   JAXFOX_RETURN_IF_ERROR(e);
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd recurrence"));
