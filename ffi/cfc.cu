@@ -51,7 +51,7 @@ struct Layout {
   int red;                                     // partial sums of one product
   int task, task_ld;                           // per-product work tables (int4), task_ld int4 per product
   int mbar;                                    // 2 mbarriers per exchange kind (C > 1)
-  int z, act, headv;                           // forward buffers
+  int z, act;                                  // forward buffers
   int recv, dph, dpb, dts, actb;               // backward buffers
   int total;
   int ldb, ldh, recv_slot;
@@ -97,7 +97,6 @@ inline Layout MakeLayout(const CfcDims& d, bool bwd) {
   if (!bwd) {
     s.z = o; o += Align4(2 * d.K0);
     s.act = o; o += Align4(d.L * d.U);
-    s.headv = o; o += Align4(d.nh * d.Hc);
   } else {
     s.recv_slot = d.Uc > d.Ic + d.Hc ? d.Uc : d.Ic + d.Hc;
     s.recv = o; o += Align4((d.L + 1) * 2 * d.C * s.recv_slot);
@@ -161,12 +160,15 @@ __device__ __forceinline__ void MbarExpect(uint32_t bar, uint32_t bytes) {
 #endif
 }
 
+// Acquire at CTA scope, as for TMA multicast: the data sits in this CTA's shared memory and the
+// phase completes only after every st.async that counts towards it has landed. (A cluster-scope
+// acquire also invalidated the L1 cache at every wait: CCTL.IVALL, the top stall in ncu.)
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t done = 0;
   do {
     asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         " selp.u32 %0, 1, 0, p;\n}"
         : "=r"(done)
         : "r"(bar), "r"(parity)
@@ -365,7 +367,7 @@ __device__ __forceinline__ float SumSplits(const float* red, int n_sum, int n_sp
 // pre-activations), S = V * B samples. Exchange kinds: backbone layer l (kind l, every CTA sends
 // its U-slice to every CTA: 4 U bytes per receiver) and the new hidden state (kind L, 4 H bytes).
 template <int C, bool SmemW>
-__global__ void __launch_bounds__(kNT)
+__global__ void __launch_bounds__(kNT, 1)
 cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout lay, const float* __restrict__ xs, const float* __restrict__ ts,
                const float* __restrict__ h0, const float* __restrict__ wflat, float* __restrict__ hs,
                float* __restrict__ acts, float* __restrict__ pre) {
@@ -379,7 +381,6 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
   float* z = sm + lay.z;  // z[par * K0 + k]: x_t then h_{t-1}
   float* act = sm + lay.act;
   float* red = sm + lay.red;
-  float* headv = sm + lay.headv;
   int4* task = reinterpret_cast<int4*>(sm + lay.task);
 
   StageWeights<SmemW>(d, lay, s, sm, w);
@@ -415,15 +416,17 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
       for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off);
     }
   };
-  // Waits for exchange `kind` of step t, then re-arms its mbarrier for step t + 2.
+  // Waits for exchange `kind` of step t, re-arms its mbarrier for step t + 2, and holds every
+  // thread until the whole CTA is past the exchange, so `red` can be overwritten. (The exchange
+  // alone orders that too, since every reader of `red` sends to this CTA after reading it, but
+  // compute-sanitizer's racecheck only knows block barriers.)
   auto receive = [&](int kind, int t) {
-    if constexpr (C == 1) {
-      __syncthreads();
-    } else {
+    if constexpr (C > 1) {
       const uint32_t bar = mbar0 + 8 * (2 * kind + (t & 1));
       MbarWait(bar, (t >> 1) & 1);
       if (tid == 0 && t + 2 < kind_steps(kind)) MbarExpect(bar, kind_bytes(kind));
     }
+    __syncthreads();
   };
 
   float wtau = 0.f, Ap = 0.f;
@@ -446,8 +449,11 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
       if (tid < I) xnext = xrow[(t + 1) * I + tid];
       tsnext = ts[sb * T + t + 1];
     }
-    if (C > 1 && t > 0) receive(L, t - 1);  // h_{t-1} (with C == 1 the barrier below covers it)
-    __syncthreads();
+    if (t > 0) {
+      receive(L, t - 1);  // h_{t-1}, and the x_t stores above
+    } else {
+      __syncthreads();
+    }
     const int64_t row = sb * T + t;
     // Backbone layers.
     for (int l = 0; l < L; ++l) {
@@ -462,8 +468,6 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
         broadcast(lay.act + l * U + s.u0 + o, a, l, t);
         acts[row * L * U + l * U + s.u0 + o] = a;
       }
-      // Every sender of this exchange (every CTA, this one included) read `red` before sending,
-      // so once the exchange is complete `red` is free again.
       receive(l, t);
     }
     // Heads: local column o = q * Hce + jj.
@@ -473,23 +477,25 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
       ForwardPartials(tab, in, wh.base, wh.ld, red);
       __syncthreads();
       const int S = tab[0].z;
-      for (int o = tid; o < nhe; o += kNT) {
-        const int q = o / Hce, jj = o - q * Hce;
-        const float v = SumSplits(red, nhe, S, o) + HeadBias<SmemW>(d, lay, s, sm, w, q, jj);
-        headv[o] = v;
-        pre[row * d.NH + q * H + s.j0 + jj] = v;
-      }
-      __syncthreads();
+      // Thread jj adds up the nh head pre-activations of its hidden unit and applies the gate.
       for (int jj = tid; jj < Hce; jj += kNT) {
+        float hv[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (q < d.nh) {
+            hv[q] = SumSplits(red, nhe, S, q * Hce + jj) + HeadBias<SmemW>(d, lay, s, sm, w, q, jj);
+            pre[row * d.NH + q * H + s.j0 + jj] = hv[q];
+          }
+        }
         float h;
         if (d.mode == kPure) {
-          const float f = headv[jj];
+          const float f = hv[0];
           const float A = jj == tid ? Ap : w[d.off_A + s.j0 + jj];
           const float wt = jj == tid ? wtau : fabsf(w[d.off_tau + s.j0 + jj]);
           h = -A * expf(-tst * (wt + fabsf(f))) * f + A;
         } else {
-          const float f1 = tanhf(headv[jj]), f2 = tanhf(headv[Hce + jj]);
-          const float g = Sigmoid(headv[2 * Hce + jj] * tst + headv[3 * Hce + jj]);
+          const float f1 = tanhf(hv[0]), f2 = tanhf(hv[1]);
+          const float g = Sigmoid(hv[2] * tst + hv[3]);
           h = d.mode == kNoGate ? f1 + g * f2 : f1 * (1.f - g) + g * f2;
         }
         hs[row * H + s.j0 + jj] = h;
@@ -508,7 +514,7 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
 // Each CTA sends the partial sum over its own columns of every input gradient entry to the CTA
 // that owns the entry, which adds the C partials in rank order.
 template <int C, bool SmemW>
-__global__ void __launch_bounds__(kNT)
+__global__ void __launch_bounds__(kNT, 1)
 cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout lay, const float* __restrict__ xs, const float* __restrict__ ts,
                const float* __restrict__ wflat, const float* __restrict__ acts,
                const float* __restrict__ pre, const float* __restrict__ dhs, float* __restrict__ dxs,
