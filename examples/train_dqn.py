@@ -1,12 +1,14 @@
 """Branching C51 double DQN with prioritized replay on the real daily trading environment (issue 4).
 
-Environment: :class:`jaxfox.envs.Trading` (S&P 500, NASDAQ, WTI: the three daily series ``arch`` ships; one
-action branch per instrument, positions -1/-0.5/0/0.5/1, 5 bps costs, 48-dim observation; train span
-2000-2012, test span 2016-2018). Agent: :class:`jaxfox.models.branching_c51.BranchingC51` (D = 3, A = 5,
-N = 51, support linspace(-25, 25, 51) on rewards in percent), double-DQN categorical loss
-(:func:`jaxfox.categorical_double_q_loss`), prioritized replay (:mod:`jaxfox.per`, alpha 0.5, beta annealed
-0.4 -> 1), EMA target (:func:`jaxfox.ema_update`), :func:`jaxfox.fused_adamw`, batch 1024, bfloat16 forward
-weights (:func:`jaxfox.cast_bf16`) over float32 master weights.
+Environment: :class:`jaxfox.envs.Trading` (default ``--instruments sp500,nasdaq,wti``: the three daily price
+series ``arch`` ships, train span 2000-2012, test span 2016-2018; ``--instruments sp500,nasdaq,wti,vix`` adds
+the VIX index as a 4th branch, which is not investable (a stand-in for a VIX-tracking product) and restricts
+the data to 2014-2018: train 2014-2016, test 2017-2018; one action branch per instrument, positions
+-1/-0.5/0/0.5/1, 5 bps costs, 48-dim observation). Agent: :class:`jaxfox.models.branching_c51.BranchingC51`
+(D = number of instruments, A = 5, N = 51, support linspace(-25, 25, 51) on rewards in percent), double-DQN
+categorical loss (:func:`jaxfox.categorical_double_q_loss`), prioritized replay (:mod:`jaxfox.per`, alpha
+0.5, beta annealed 0.4 -> 1), EMA target (:func:`jaxfox.ema_update`), :func:`jaxfox.fused_adamw`, batch 1024,
+bfloat16 forward weights (:func:`jaxfox.cast_bf16`) over float32 master weights.
 
 One training iteration = one step of ``--num-envs`` vmapped environments (epsilon-greedy per branch, the
 transitions go into the replay buffer) + one update step (PER sample, forward online/target, loss with IS
@@ -20,7 +22,7 @@ the discount is gamma for every transition (no terminal states: bootstrapping th
 
 Reports the greedy policy's return over the whole test span (sum of daily rewards, log-return units, costs
 included) next to buy-and-hold (+1 in every instrument, the agent's maximum long action), equal-weight
-buy-and-hold (1/3 in each) and flat (0); saves ``equity.png``, ``loss.png``, ``metrics.json`` and ``curves.npz``
+buy-and-hold (1/D in each) and flat (0); saves ``equity.png``, ``loss.png``, ``metrics.json`` and ``curves.npz``
 (daily test-span rewards of each policy, their dates and the agent's positions) into ``--out``.
 """
 
@@ -62,7 +64,16 @@ def parse_args(argv=None):
     p.add_argument("--episode-len", type=int, default=252)
     p.add_argument("--cost-bps", type=float, default=5.0)
     p.add_argument("--no-bf16", action="store_true", help="float32 forward (default: bfloat16 weights)")
+    p.add_argument("--instruments", default="sp500,nasdaq,wti",
+                   help="comma-separated traded instruments, one action branch each (from sp500, nasdaq, wti, "
+                        "vix; vix restricts the data to 2014-2018 and is an index, not an investable price)")
     args = p.parse_args(argv)
+    args.instruments = tuple(s.strip() for s in args.instruments.split(","))
+    from jaxfox.envs import AVAILABLE_INSTRUMENTS
+    bad = [s for s in args.instruments if s not in AVAILABLE_INSTRUMENTS]
+    if bad or len(set(args.instruments)) != len(args.instruments):
+        p.error(f"--instruments must be distinct names from {','.join(AVAILABLE_INSTRUMENTS)}, got "
+                f"{','.join(args.instruments)}")
     for name in ("steps", "num_envs", "batch_size", "capacity", "chunk", "episode_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -90,15 +101,16 @@ def levels_of(env, acts):
     return np.asarray(env.train.levels, np.float64)[np.asarray(acts)]
 
 
-def save_plots(out, dates, curves, loss_hist):
+def save_plots(out, dates, curves, loss_hist, instruments=("sp500", "nasdaq", "wti")):
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend (e.g. a notebook's) alone
 
     fig = Figure(figsize=(9, 4.5))
     ax = fig.subplots()
     for name, r in curves.items():
         ax.plot(dates, np.cumsum(r), label=f"{name} ({np.sum(r):+.3f})")
-    ax.set(title="test span 2016-2018: cumulative reward (sum of daily position-weighted log returns - costs)",
-           ylabel="cumulative log return")
+    span = f"{str(dates[0])[:4]}-{str(dates[-1])[:4]}" if len(dates) else "empty"
+    ax.set(title=f"test span {span}, {'/'.join(instruments)}: cumulative reward\n"
+                 "(sum of daily position-weighted log returns - costs)", ylabel="cumulative log return")
     ax.legend(fontsize=8)
     fig.autofmt_xdate()
     fig.tight_layout()
@@ -122,13 +134,13 @@ def main(argv=None) -> dict:
     from tqdm.auto import tqdm
 
     from jaxfox import per
-    from jaxfox.envs import INSTRUMENTS, Trading
+    from jaxfox.envs import Trading
     from jaxfox.models.branching_c51 import (Transition, epsilon_greedy, greedy_actions, init_agent, make_update,
                                              support)
 
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
-    env = Trading(episode_len=args.episode_len, cost_bps=args.cost_bps)
+    env = Trading(episode_len=args.episode_len, cost_bps=args.cost_bps, instruments=args.instruments)
     tr, te = env.train, env.test
     key = jax.random.key(args.seed)
     key, k_init = jax.random.split(key)
@@ -142,7 +154,9 @@ def main(argv=None) -> dict:
     decay_steps = max(1, int(args.eps_frac * args.steps))
     n_params = int(agent.online.flat.shape[0])
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; BranchingC51 D={dan[0]} A={dan[1]} N={dan[2]}, "
-          f"{n_params} params; train rows {env.train_rows}, test rows {env.test_rows}; "
+          f"{n_params} params; instruments {','.join(env.instruments)}; train rows {env.train_rows} "
+          f"({str(env.dates[env.train_rows[0]])[:10]}..{str(env.dates[env.train_rows[1]])[:10]}), test rows "
+          f"{env.test_rows} ({str(env.dates[env.test_rows[0]])[:10]}..{str(env.dates[env.test_rows[1]])[:10]}); "
           f"{args.num_envs} envs, batch {args.batch_size}, {args.steps} updates, bf16 forward {bf16}")
 
     reset_v = jax.vmap(env.reset, in_axes=(0, None))
@@ -229,22 +243,23 @@ def main(argv=None) -> dict:
     t0, t1 = env.test_rows
     nr = env.next_returns_np[t0:t1]
     r_ew = nr.mean(axis=1)
-    r_ew[0] -= args.cost_bps * 1e-4 * 1.0  # entering 1/3 in each of 3 instruments: |change| sums to 1
+    r_ew[0] -= args.cost_bps * 1e-4 * 1.0  # entering 1/D in each of the D instruments: |change| sums to D/D = 1
     r_train, _ = evaluate(agent.online, tr, (0, env.train_rows[1]), greedy)
     dates = env.dates[t0 + 1:t1 + 1]  # reward of row t is realised at the close of t + 1
-    curves = {"agent (greedy)": r_agent, "buy & hold (+1 each)": r_bh, "equal weight (1/3 each)": r_ew,
+    curves = {"agent (greedy)": r_agent, "buy & hold (+1 each)": r_bh, f"equal weight (1/{D} each)": r_ew,
               "flat (0)": r_flat}
-    save_plots(args.out, dates, curves, loss_hist)
+    save_plots(args.out, dates, curves, loss_hist, env.instruments)
     np.savez(os.path.join(args.out, "curves.npz"), dates=dates.astype("datetime64[D]"), agent=r_agent,
              buy_and_hold=r_bh, equal_weight=r_ew, flat=r_flat, positions=levels_of(env, acts))
     levels = np.asarray(env.train.levels)
     metrics = {
+        "instruments": list(env.instruments),
         "test_span": [str(env.dates[t0])[:10], str(env.dates[t1])[:10]], "test_days": int(t1 - t0),
         "test": {"agent": _stats(r_agent), "buy_and_hold": _stats(r_bh), "equal_weight": _stats(r_ew),
                  "flat": _stats(r_flat)},
         "train_span_greedy": _stats(r_train),
         "test_mean_position": {inst: float(levels[acts[:, i]].mean()) for i, inst in
-                               enumerate(INSTRUMENTS)},
+                               enumerate(env.instruments)},
         "test_turnover_per_day": float(np.abs(np.diff(np.concatenate([np.zeros((1, D)), levels[acts]]), axis=0))
                                        .sum(1).mean()),
         "final_loss": loss_hist["loss"][-1] if loss_hist["loss"] else None,

@@ -2,6 +2,7 @@
 reward, done)``; jit- and vmap-able)."""
 
 from jaxfox.envs.trading import (
+    AVAILABLE_INSTRUMENTS,
     INSTRUMENTS,
     LEVELS,
     POSITION_FEATURES,
@@ -10,4 +11,4 @@ from jaxfox.envs.trading import (
     TradingState,
 )
 
-__all__ = ["INSTRUMENTS", "LEVELS", "POSITION_FEATURES", "Trading", "TradingParams", "TradingState"]
+__all__ = ["AVAILABLE_INSTRUMENTS", "INSTRUMENTS", "LEVELS", "POSITION_FEATURES", "Trading", "TradingParams", "TradingState"]
