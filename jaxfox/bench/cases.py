@@ -122,27 +122,34 @@ _PERCEPTION_SHAPES = {
 def perception_case(size: str) -> list[Variant]:
     """One whole training step of the perception model (forward, backward, optimizer update).
 
-    Uses ``jaxfox.models.perception_v0.benchmark_step(batch, window, num_features)``, which returns
+    Rows: model v0 (``jaxfox.models.perception_v0``) and the full model (``jaxfox.models.perception``:
+    VSN, CfC, attention pool, GRN head). Uses ``<module>.benchmark_step(batch, window, num_features)``, which returns
     ``(step_fn, state, batch)``: ``step_fn(state, batch) -> (state, loss)`` un-jitted; state and
     batch pytrees of arrays. The loop carries the state, as a training loop does (same batch every
     step). Skipped when that module or function is missing.
     """
     kw = _PERCEPTION_SHAPES[size]
 
-    def setup():
-        try:
-            from jaxfox.models import perception_v0
-            make = perception_v0.benchmark_step
-        except (ImportError, AttributeError) as e:
-            raise SkipCase(f"jaxfox.models.perception_v0.benchmark_step unavailable: {e}") from e
-        one = batch_mesh(jax.local_devices()[:1])
-        step_fn, state, batch = make(**kw, mesh=one)
-        kernel_builder = lambda: step_fn  # noqa: E731
-        reference_builder = lambda: make(**kw, mesh=one)[0]  # noqa: E731  (built again inside use_reference())
-        return CaseSpec(kernel_builder, reference_builder, (state, batch), None, None)
+    def setup_for(module_name):
+        def setup():
+            import importlib
+
+            try:
+                make = importlib.import_module(f"jaxfox.models.{module_name}").benchmark_step
+            except (ImportError, AttributeError) as e:
+                raise SkipCase(f"jaxfox.models.{module_name}.benchmark_step unavailable: {e}") from e
+            one = batch_mesh(jax.local_devices()[:1])
+            step_fn, state, batch = make(**kw, mesh=one)
+            kernel_builder = lambda: step_fn  # noqa: E731
+            reference_builder = lambda: make(**kw, mesh=one)[0]  # noqa: E731  (built again inside use_reference())
+            return CaseSpec(kernel_builder, reference_builder, (state, batch), None, None)
+
+        return setup
 
     label = f"B={kw['batch']} T={kw['window']} m={kw['num_features']}"
-    return [Variant("perception_step", label, setup, stateful=True, params=dict(kw))]
+    return [Variant("perception_step", label, setup_for("perception_v0"), stateful=True, params=dict(kw, model="v0")),
+            Variant("perception_step", f"full {label}", setup_for("perception"), stateful=True,
+                    params=dict(kw, model="full"))]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,12 +32,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox.models.perception_v0 import check_window_batch, data_parallel_step, make_optimizer
+from jaxfox.models.perception_v0 import check_window_batch, data_parallel_step, make_benchmark_step, make_optimizer
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 
 __all__ = ["FULL_DEFAULTS", "Perception", "make_model", "make_optimizer", "loss_fn", "train_step", "predict",
-           "evaluate"]
+           "evaluate", "benchmark_step"]
 
 
 FULL_DEFAULTS = {"embed_dim": 4, "vsn_hidden": 32, "vsn_out": 32, "hidden": 32, "backbone_units": 64,
@@ -171,3 +171,18 @@ def evaluate(model: Perception, x, y, *, batch_size: int = 256) -> tuple[float, 
     logits, w = predict(model, x, batch_size=batch_size)
     loss = float(np.asarray(optax.sigmoid_binary_cross_entropy(jnp.asarray(logits), jnp.asarray(y)).mean()))
     return loss, auc(logits, y), w.mean(axis=0)
+
+
+def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *, seed: int = 0, mesh=None,
+                   **model_kwargs):
+    """The whole training step of the full model (:func:`make_model` with :data:`FULL_DEFAULTS` unless
+    ``model_kwargs`` say otherwise, AdamW of :func:`make_optimizer`) as a pure function for the benchmark
+    harness: ``(step_fn, state, batch)`` as :func:`jaxfox.models.perception_v0.benchmark_step`, with this
+    module's :func:`loss_fn`. Data parallel over ``mesh`` (default: all local devices).
+
+    Raises:
+      ValueError: a model size is invalid, or ``batch`` is not divisible by the mesh size.
+    """
+    model = make_model(num_features, rngs=nnx.Rngs(seed), **model_kwargs)
+    return make_benchmark_step(model, make_optimizer(model), batch=batch, window=window, seed=seed, mesh=mesh,
+                               loss=loss_fn)

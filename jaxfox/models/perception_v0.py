@@ -32,7 +32,7 @@ from jaxfox.sharding import batch_mesh, batch_sharding, check_divisible, data_pa
 
 __all__ = [
     "DEFAULTS", "PerceptionV0", "make_model", "make_optimizer", "loss_fn", "train_step", "predict_logits", "evaluate",
-    "benchmark_step", "data_parallel_step",
+    "benchmark_step", "make_benchmark_step", "data_parallel_step",
 ]
 
 
@@ -202,10 +202,17 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
     """
     rngs = nnx.Rngs(seed)
     model = make_model(num_features, hidden=hidden, embed_dim=embed_dim, backbone_units=backbone_units, rngs=rngs)
-    optimizer = make_optimizer(model)
+    return make_benchmark_step(model, make_optimizer(model), batch=batch, window=window, seed=seed, mesh=mesh)
+
+
+def make_benchmark_step(model, optimizer: nnx.Optimizer, *, batch: int, window: int, seed: int = 0, mesh=None,
+                        loss=None):
+    """``(step_fn, state, batch)`` of :func:`benchmark_step` for any perception model and its optimizer
+    (``loss(model, x, y)``, default this module's :func:`loss_fn`; the model's input width is read from
+    ``model.num_features``)."""
     graphdef, state = nnx.split((model, optimizer))
     kx, ky = jax.random.split(jax.random.key(seed + 1))
-    data = (jax.random.normal(kx, (batch, window, num_features), jnp.float32),
+    data = (jax.random.normal(kx, (batch, window, model.num_features), jnp.float32),
             jax.random.bernoulli(ky, 0.5, (batch,)).astype(jnp.float32))
     mesh = batch_mesh() if mesh is None else mesh
     check_divisible("batch", batch, mesh)
@@ -214,7 +221,7 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
 
     def step_fn(state, batch):
         model, optimizer = nnx.merge(graphdef, state, copy=True)  # copy: never mutate the caller's state
-        loss = data_parallel_step(model, optimizer, *batch, mesh)
-        return nnx.state((model, optimizer)), loss
+        value = data_parallel_step(model, optimizer, *batch, mesh, loss=loss)
+        return nnx.state((model, optimizer)), value
 
     return step_fn, state, data
