@@ -174,15 +174,15 @@ def central_diff_grad(f, x, eps=1e-6):
 
 # ----------------------------------------------------------------------------------------------
 # GPU tests: run a script in a child process under given XLA_FLAGS (command buffers on/off).
-def run_child_npz(script, xla_flags, path):
-    """Runs ``python -c script path`` with ``XLA_FLAGS=xla_flags``; the script saves arrays to ``path``
-    (an .npz) and prints DONE. Returns {name: array}."""
+def run_child_npz(script, xla_flags, path, env=None):
+    """Runs ``python -c script path`` with ``XLA_FLAGS=xla_flags`` (and the extra environment variables
+    ``env``); the script saves arrays to ``path`` (an .npz) and prints DONE. Returns {name: array}."""
     import subprocess
     import sys
 
     import jaxfox
 
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["XLA_FLAGS"] = xla_flags
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the parent process already holds most of the GPU memory
     env.pop("JAXFOX_DISABLE_KERNELS", None)

@@ -22,7 +22,7 @@ from jax.test_util import check_grads
 import jaxfox
 
 from conftest import (assert_command_buffers_identical, assert_sum_close, np_cfc_scan, random_cfc_params, random_inputs,
-                      rel_err)
+                      rel_err, run_child_npz)
 
 if not jaxfox.kernels_available():
     pytest.skip(f"jaxfox CUDA kernels unavailable: {jaxfox.kernels_unavailable_reason()}",
@@ -362,3 +362,60 @@ def test_training_loss_falls():
     assert np.isfinite(losses).all()
     first, last = np.mean(losses[:5]), np.mean(losses[-10:])
     assert last <= 0.5 * first, f"loss {first:.4f} -> {last:.4f}"
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel paths the default choice does not take at the sizes above: forced cluster sizes 1, 2 and
+# 8 (JAXFOX_CFC_CLUSTER, read once per process, hence a child process each), hidden size 1 (cluster of
+# 1 by default), and weights too large for shared memory at any cluster size (read from global memory).
+_PATH_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import jax, numpy as np, jaxfox
+    from conftest import random_cfc_params, random_inputs
+    assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
+    out = {{}}
+    for i, (mode, L, (B, T, I, H, U)) in enumerate({cases!r}):
+        params = random_cfc_params(jax.random.key(i), I, H, U, L, mode, scale=0.05, seed=i)
+        xs, ts, h0 = random_inputs(B, T, I, H, seed=i + 1)
+        cot = np.random.default_rng(i + 2).standard_normal((B, T, H)).astype(np.float32)
+        def f(params, xs, ts, h0, cot, mode=mode):
+            hs, vjp = jax.vjp(lambda p, x, t, h: jaxfox.cfc_scan(p, x, t, h, mode=mode), params, xs, ts, h0)
+            return hs, vjp(cot)
+        with jax.default_matmul_precision("highest"):
+            assert "jaxfox_cfc_bwd" in jax.jit(f).lower(params, xs, ts, h0, cot).as_text()
+            got = jax.device_get(jax.jit(f)(params, xs, ts, h0, cot))
+            with jaxfox.use_reference():
+                want = jax.device_get(jax.jit(f)(params, xs, ts, h0, cot))
+        for j, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+            out[f"case{{i}}_leaf{{j}}_kernel"] = np.asarray(a)
+            out[f"case{{i}}_leaf{{j}}_reference"] = np.asarray(b)
+    np.savez(sys.argv[1], **out)
+    print("DONE")
+""")
+
+_SMALL_CASES = [("default", 1, (4, 9, 16, 64, 40)), ("pure", 2, (3, 7, 7, 16, 24)), ("no_gate", 0, (2, 5, 5, 24, 8))]
+_PATH_CASES = {
+    "cluster1": ({"JAXFOX_CFC_CLUSTER": "1"}, _SMALL_CASES),
+    "cluster2": ({"JAXFOX_CFC_CLUSTER": "2"}, _SMALL_CASES),
+    "cluster8": ({"JAXFOX_CFC_CLUSTER": "8"}, _SMALL_CASES),
+    # H = 1 (cluster of 1 by default) and weights of ~5 MB (no cluster size fits them in shared memory).
+    "default_choice": ({}, [("default", 1, (3, 6, 4, 1, 5)), ("pure", 0, (2, 5, 3, 1, 8)),
+                           ("default", 1, (2, 4, 16, 512, 512))]),
+}
+
+
+@pytest.mark.parametrize("path", sorted(_PATH_CASES))
+def test_kernel_paths_match_reference(path, tmp_path):
+    import os
+
+    env, cases = _PATH_CASES[path]
+    script = _PATH_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), cases=cases)
+    arrays = run_child_npz(script, "", tmp_path / f"{path}.npz", env=env)
+    keys = sorted(k for k in arrays if k.endswith("_kernel"))
+    assert len(keys) >= 5 * len(cases)  # hs + 4 gradient leaves at least per case
+    for k in keys:
+        got, want = arrays[k], arrays[k[:-len("_kernel")] + "_reference"]
+        assert np.isfinite(got).all(), k
+        assert rel_err(got, want) <= TOL, f"{path} {k}: rel err {rel_err(got, want):.3g}"
