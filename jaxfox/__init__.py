@@ -33,8 +33,9 @@ __all__ = [
 
 
 def __getattr__(name):
-    """Lazy submodules: ``jaxfox.nn``, ``jaxfox.models``, ``jaxfox.data`` (flax/pandas load on first use)."""
-    if name in ("nn", "models", "data"):
+    """Lazy submodules: ``jaxfox.nn``, ``jaxfox.models``, ``jaxfox.data``, ``jaxfox.envs`` (flax/pandas load on
+    first use)."""
+    if name in ("nn", "models", "data", "envs"):
         import importlib
 
         return importlib.import_module(f"jaxfox.{name}")

@@ -468,9 +468,9 @@ def adamw_case(size: str) -> list[Variant]:
     """One fused_adamw step + optax.apply_updates on a FlatParams [P] (default decay mask, no
     clipping / clipping at 1.0); the reference is the same optax-style XLA code (use_reference()).
 
-    Bytes per parameter: the update reads params, grads, mu, nu (16) and the bool mask (1) and
-    writes updates, mu, nu (12); the norm pass reads grads again (4, clipping only); apply_updates
-    reads params and updates and writes params (12).
+    Bytes per parameter, what the fused step must move: params, grads, mu, nu (16) and the bool mask (1)
+    in, params, mu, nu (12) out; the norm pass reads grads again (4, clipping only). The updates and
+    ``apply_updates``' own pass are not counted: XLA fuses them into the update, so they never reach memory.
     """
     import optax
 
@@ -494,7 +494,7 @@ def adamw_case(size: str) -> list[Variant]:
                     return step
 
                 tx0 = optim.fused_adamw(1e-3, weight_decay=1e-4, max_grad_norm=clip)
-                per = 29 + 12 + (4 if clip is not None else 0)
+                per = 29 + (4 if clip is not None else 0)
                 return CaseSpec(builder, None, ((fp, tx0.init(fp)), g), float(per) * P, None)
 
             label = f"P={P} {'clip 1.0' if clip is not None else 'no clip'}"
