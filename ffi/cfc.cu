@@ -17,6 +17,7 @@
 #include <cooperative_groups.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "common.h"
 
@@ -928,6 +929,21 @@ ffi::Error LaunchCluster(Kernel kernel, int C, int64_t samples, int64_t smem, cu
   return ffi::Error::Success();
 }
 
+// Calls f(std::integral_constant<int, C>, std::integral_constant<bool, smem_w>) for the kernel
+// variant ChooseCluster picked.
+template <typename F>
+ffi::Error ByVariant(const CfcDims& d, F&& f) {
+  auto with_c = [&](auto C) {
+    return d.smem_w ? f(C, std::true_type{}) : f(C, std::false_type{});
+  };
+  switch (d.C) {
+    case 1: return with_c(std::integral_constant<int, 1>{});
+    case 2: return with_c(std::integral_constant<int, 2>{});
+    case 4: return with_c(std::integral_constant<int, 4>{});
+    default: return with_c(std::integral_constant<int, 8>{});
+  }
+}
+
 ffi::Error CheckInputs(const CfcDims& d, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::F32>& ts,
                        ffi::Buffer<ffi::F32>& h0, ffi::Buffer<ffi::F32>& w, int64_t* V, int64_t* B, int64_t* T) {
   auto xd = xs.dimensions();
@@ -969,17 +985,7 @@ ffi::Error CfcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   const float *px = xs.typed_data(), *pt = ts.typed_data(), *ph = h0.typed_data(), *pw = w.typed_data();
   float *o1 = hs->typed_data(), *o2 = acts->typed_data(), *o3 = pre->typed_data();
   auto launch = [&](auto kernel) { return LaunchCluster(kernel, d.C, S, smem, stream, d, lay, px, pt, ph, pw, o1, o2, o3); };
-  ffi::Error e = ffi::Error::Success();
-  switch (d.C * 2 + d.smem_w) {
-    case 2: e = launch(cfc_fwd_kernel<1, false>); break;
-    case 3: e = launch(cfc_fwd_kernel<1, true>); break;
-    case 4: e = launch(cfc_fwd_kernel<2, false>); break;
-    case 5: e = launch(cfc_fwd_kernel<2, true>); break;
-    case 8: e = launch(cfc_fwd_kernel<4, false>); break;
-    case 9: e = launch(cfc_fwd_kernel<4, true>); break;
-    case 16: e = launch(cfc_fwd_kernel<8, false>); break;
-    default: e = launch(cfc_fwd_kernel<8, true>); break;
-  }
+  const ffi::Error e = ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_fwd_kernel<C(), smem_w()>); });
   JAXFOX_RETURN_IF_ERROR(e);
   return LastCudaError("cfc_fwd");
 }
@@ -1031,17 +1037,7 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   auto launch = [&](auto kernel) {
     return LaunchCluster(kernel, d.C, S, smem, stream, d, lay, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part);
   };
-  ffi::Error e = ffi::Error::Success();
-  switch (d.C * 2 + d.smem_w) {
-    case 2: e = launch(cfc_bwd_kernel<1, false>); break;
-    case 3: e = launch(cfc_bwd_kernel<1, true>); break;
-    case 4: e = launch(cfc_bwd_kernel<2, false>); break;
-    case 5: e = launch(cfc_bwd_kernel<2, true>); break;
-    case 8: e = launch(cfc_bwd_kernel<4, false>); break;
-    case 9: e = launch(cfc_bwd_kernel<4, true>); break;
-    case 16: e = launch(cfc_bwd_kernel<8, false>); break;
-    default: e = launch(cfc_bwd_kernel<8, true>); break;
-  }
+  const ffi::Error e = ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_bwd_kernel<C(), smem_w()>); });
   JAXFOX_RETURN_IF_ERROR(e);
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd recurrence"));
   // Weight-gradient partials, one launch per matrix (its bias is the extra row K).

@@ -326,9 +326,9 @@ def test_bad_span_dates_with_vix():
         Trading(instruments=FOUR, train_end="2012-12-31", test_start="2016-01-01")
     with pytest.raises(ValueError, match=r"^test_start \(2019-06-01\) leaves 0 test rows"):
         Trading(instruments=FOUR, test_start="2019-06-01")
-    with pytest.raises(ValueError, match="^train_end must be a date"):
+    with pytest.raises(ValueError, match="^train_end is not a valid date"):
         Trading(instruments=FOUR, train_end="not a date")
-    with pytest.raises(ValueError, match="^test_start must be a date"):
+    with pytest.raises(ValueError, match="^test_start is not a valid date"):
         Trading(test_start=[1, 2])
     with pytest.raises(ValueError, match=r"^episode_len must be <= 754"):
         Trading(instruments=FOUR, episode_len=800)

@@ -149,16 +149,6 @@ def _check_instruments(instruments) -> tuple[str, ...]:
     return tuple(instruments)
 
 
-def _check_date(name, v) -> pd.Timestamp:
-    try:
-        ts = pd.Timestamp(v)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name} must be a date pandas.Timestamp parses, got {v!r}") from e
-    if pd.isna(ts):
-        raise ValueError(f"{name} must be a date pandas.Timestamp parses, got {v!r}")
-    return ts
-
-
 def _check_int(name, v, lo):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -205,7 +195,7 @@ class Trading:
     instruments: tuple[str, ...] = INSTRUMENTS
 
     def __post_init__(self):
-        from jaxfox.data.market import FEATURE_NAMES, build_features, load_prices, load_vix
+        from jaxfox.data.market import FEATURE_NAMES, _timestamp, build_features, load_prices, load_vix
 
         set_ = object.__setattr__
         insts = _check_instruments(self.instruments)
@@ -220,7 +210,7 @@ class Trading:
             set_(self, "train_end", default_end)
         if self.test_start is None:
             set_(self, "test_start", default_start)
-        t_end, t_start = _check_date("train_end", self.train_end), _check_date("test_start", self.test_start)
+        t_end, t_start = _timestamp(self.train_end, "train_end"), _timestamp(self.test_start, "test_start")
         if not t_end < t_start:
             raise ValueError(f"train_end ({self.train_end}) must be before test_start ({self.test_start})")
         prices = load_prices()
