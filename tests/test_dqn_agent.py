@@ -9,13 +9,14 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import jaxfox
-from jaxfox import per
-from jaxfox.models.branching_c51 import (BranchingC51, Transition, batch_loss, forward, init_agent, make_update,
-                                         support)
+from jaxfox import optim, per
+from jaxfox.models.branching_c51 import (AgentState, BranchingC51, Transition, batch_loss, forward, init_agent,
+                                         make_update, support)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,6 +111,200 @@ def test_update_step_decreases_loss_and_sets_priorities():
     idx, lb = np.asarray(info["indices"]), np.asarray(info["loss_b"])
     np.testing.assert_allclose(np.asarray(state.buffer.priorities)[idx], lb + 1e-3, rtol=1e-6)
     assert online0.dtype == np.float32 and state.online.flat.dtype == jnp.float32
+
+
+# ---------------------------------------------------------------- one update against an independent oracle
+def _np_c51_target(p, pt, next_obs, r, discount, z, dan):
+    """Float64 NumPy target of OPS.md "Branching C51": online argmax a* (double DQN), target distribution
+    p_target(s', a*_d) and its hat-kernel projection m [B, D, N]. Returns (m, a* online [B, D], argmax of the
+    target net [B, D]); the latter only shows that the two selections differ in the test's batch."""
+    D, A, N = dan
+    z = np.asarray(z, np.float64)
+    dz = (z[-1] - z[0]) / (N - 1)
+
+    def softmax(l):
+        e = np.exp(l - l.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    x1 = np.asarray(next_obs, np.float64)
+    lo = _np_forward(p, x1, D, A, N)[2]                                        # online logits at s'
+    lt = _np_forward(pt, x1, D, A, N)[2]                                       # target logits at s'
+    a_on = np.argmax((softmax(lo) * z).sum(-1), axis=-1)                       # first index on ties
+    a_tg = np.argmax((softmax(lt) * z).sum(-1), axis=-1)
+    pj = softmax(np.take_along_axis(lt, a_on[:, :, None, None], axis=2)[:, :, 0])           # [B, D, N_j]
+    r, g = np.asarray(r, np.float64), np.asarray(discount, np.float64)
+    tz = np.clip(r[:, None] + g[:, None] * z[None, :], z[0], z[-1])                           # [B, N_j]
+    hat = np.clip(1.0 - np.abs(tz[:, None, :] - z[None, :, None]) / dz, 0.0, 1.0)            # [B, N_i, N_j]
+    return np.einsum("bij,bdj->bdi", hat, pj), a_on, a_tg
+
+
+def _np_weighted_ce(p, obs, action, m, w, dan):
+    """Float64 NumPy: L = mean_b w_b mean_d -sum_i m_i log_softmax(logits(s, a_d))_i with m constant, and the
+    hand-written backprop dL/dparams through the dueling heads, the ReLU trunk and the biases.
+    Returns (L, loss_b [B], grads {name: array})."""
+    D, A, N = dan
+    P = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = np.asarray(obs, np.float64)
+    act = np.asarray(action)
+    w = np.asarray(w, np.float64)
+    B = x.shape[0]
+    pre1 = x @ P["w1"] + P["b1"]
+    h1 = np.maximum(pre1, 0)
+    pre2 = h1 @ P["w2"] + P["b2"]
+    h2 = np.maximum(pre2, 0)
+    v = h2 @ P["wv"] + P["bv"]
+    adv = (h2 @ P["wa"] + P["ba"]).reshape(B, D, A, N)
+    logits = v[:, None, None] + adv - adv.mean(axis=2, keepdims=True)
+    chosen = np.take_along_axis(logits, act[:, :, None, None], axis=2)[:, :, 0]               # [B, D, N]
+    logp = chosen - chosen.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    loss_b = -(m * logp).sum(-1).mean(-1)
+    loss = np.mean(w * loss_b)
+    dchosen = (w / (B * D))[:, None, None] * (np.exp(logp) * m.sum(-1, keepdims=True) - m)
+    dlogits = np.zeros_like(logits)
+    np.put_along_axis(dlogits, act[:, :, None, None], dchosen[:, :, None], axis=2)
+    dv = dlogits.sum(axis=(1, 2))
+    dadv = (dlogits - dlogits.mean(axis=2, keepdims=True)).reshape(B, D * A * N)
+    g = {"wv": h2.T @ dv, "bv": dv.sum(0), "wa": h2.T @ dadv, "ba": dadv.sum(0)}
+    dpre2 = (dv @ P["wv"].T + dadv @ P["wa"].T) * (pre2 > 0)
+    g["w2"], g["b2"] = h1.T @ dpre2, dpre2.sum(0)
+    dpre1 = (dpre2 @ P["w2"].T) * (pre1 > 0)
+    g["w1"], g["b1"] = x.T @ dpre1, dpre1.sum(0)
+    return loss, loss_b, g
+
+
+def test_update_step_matches_independent_float64_oracle():
+    """ONE call of make_update(bf16=False: float32 forward) against an oracle that shares no loss/projection/
+    model code with jaxfox: float64 NumPy forward, projection, cross-entropy, IS weights and hand-written
+    gradient (itself checked by a central difference), optax.clip_by_global_norm + optax.adamw for the step
+    (from a mid-training Adam state), then the EMA target and the priorities. Two optimizers, one call each:
+    max_grad_norm 0.5 (below the gradient norm ~1.56: the clip is active, so only the gradient's direction
+    reaches Adam) and 5.0 (inactive: the gradient's size reaches Adam too).
+
+    PER draw: per.sample(buffer, key, ...) is called here with the key given to the update (make_update passes
+    it to per.sample unchanged); the update's info["indices"] must equal those indices; the draw is checked to
+    be stratified over the independently computed prefix sums, and the IS weights are recomputed here from the
+    stored priorities, w_i = (n P(i))^-beta / max w, P(i) = p_i^alpha / sum p^alpha.
+
+    Tolerances (jaxfox runs in float32 on CPU, the oracle in float64; optax runs in float32 on the oracle's
+    gradient): losses and priorities rtol 2e-6 (~17 float32 ulps; observed <= 2.4e-7); online and EMA target
+    parameters rtol 1e-6 + atol 1e-7 (~8 ulps of |theta| ~ 1, observed <= 3e-8, while the step moves every
+    leaf by ~lr = 1e-2); the Adam moments: first rtol 1e-5 + atol 5e-8 (observed <= 5.6e-9: ulps of the
+    ~0.03 summands and the float32 gradient's error; the gradient's share (1 - b1) g is ~1e-3 per coordinate,
+    so a wrong gradient shows), second rtol 2e-6 (observed <= 2.5e-7; the g^2 share is ~2 %).
+    """
+    D, A, N, F, H1, H2 = 2, 3, 11, 6, 16, 12
+    dan = (D, A, N)
+    B, C, n = 8, 32, 27
+    alpha, beta, tau, eps_p = 0.7, 0.6, 0.25, 1e-3
+    lr, wd, b1, b2, adam_eps, count0 = 1e-2, 0.05, 0.9, 0.999, 1e-8, 3
+    rng = np.random.default_rng(7)
+
+    shapes = {"w1": (F, H1), "b1": (H1,), "w2": (H1, H2), "b2": (H2,), "wv": (H2, N), "bv": (N,),
+              "wa": (H2, D * A * N), "ba": (D * A * N,)}
+    fan = {"w1": F, "w2": H1, "wv": H2, "wa": H2}
+    p0 = {k: (rng.standard_normal(s) / np.sqrt(fan[k]) if k in fan else 0.3 * rng.standard_normal(s))
+          .astype(np.float32) for k, s in shapes.items()}
+    # the target net differs from the online net, so that the double-DQN selection is observable
+    pt0 = {k: (v + 0.5 * np.std(v) * rng.standard_normal(v.shape)).astype(np.float32) for k, v in p0.items()}
+    # a mid-training optimizer state: at count 0 Adam's step is lr * sign(g), blind to |g| and to clipping
+    mu0 = {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+    nu0 = {k: (1e-4 * (0.5 + rng.random(s))).astype(np.float32) for k, s in shapes.items()}
+    fp = lambda t: jaxfox.FlatParams.from_tree({k: jnp.asarray(v) for k, v in t.items()})  # noqa: E731
+
+    z = support(N, v_max=5.0)  # dz = 1
+    items = Transition(rng.standard_normal((n, F)).astype(np.float32),
+                       rng.integers(0, A, (n, D)).astype(np.int32),
+                       (2.5 * rng.standard_normal(n)).astype(np.float32),  # some Tz beyond +-5: clipped
+                       np.where(rng.random(n) < 0.25, 0.0, 0.9).astype(np.float32),
+                       rng.standard_normal((n, F)).astype(np.float32))
+    items.reward[::5], items.discount[::5] = 1.0, 0.0  # terminal, Tz on the support point z = 1
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), items)
+    buf = per.add(per.init(C, spec), jax.tree.map(jnp.asarray, items))
+    prio0 = rng.uniform(0.05, 4.0, n).astype(np.float32)
+    buf = per.update(buf, jnp.arange(n, dtype=jnp.int32), jnp.asarray(prio0))
+    key = jax.random.key(11)
+
+    # --- PER draw and IS weights
+    idx, w_lib = (np.asarray(a) for a in per.sample(buf, key, B, alpha=alpha, beta=beta))
+    q = prio0.astype(np.float64) ** alpha
+    S = q.sum()
+    c = np.cumsum(q)
+    k = np.arange(B)
+    assert (idx >= 0).all() and (idx < n).all()
+    # stratified: slot idx_k's prefix interval [c_{i-1}, c_i) meets stratum [k/B, (k+1)/B) * S
+    assert np.all(c[idx] >= k / B * S * (1 - 1e-6)) and np.all((c - q)[idx] <= (k + 1) / B * S * (1 + 1e-6))
+    w = (n * q[idx] / S) ** -beta
+    w = w / w.max()
+    np.testing.assert_allclose(w_lib, w, rtol=1e-5)
+    assert w.min() < 0.8, w  # the IS weights are far from uniform: dropping them changes the loss
+
+    # --- loss and gradient (float64 oracle)
+    bt = Transition(*(a[idx] for a in items))
+    m, a_on, a_tg = _np_c51_target(p0, pt0, bt.next_obs, bt.reward, bt.discount, z, dan)
+    # (not 1e-12: the float32 support has z_6 = 1.0000001, so its spacing is uniform only to ~1e-7)
+    np.testing.assert_allclose(m.sum(-1), 1.0, atol=1e-6)
+    assert (a_on != a_tg).any()  # selecting a* with the target net would give another target here
+    loss, loss_b, g = _np_weighted_ce(p0, bt.obs, bt.action, m, w, dan)
+    d = {kk: rng.standard_normal(s) for kk, s in shapes.items()}  # central difference along d
+    h = 1e-6
+
+    def shifted(sgn):
+        return _np_weighted_ce({kk: p0[kk] + sgn * h * d[kk] for kk in p0}, bt.obs, bt.action, m, w, dan)[0]
+
+    fd = (shifted(1) - shifted(-1)) / (2 * h)
+    np.testing.assert_allclose(sum(np.sum(g[kk] * d[kk]) for kk in g), fd, rtol=1e-6)
+    gnorm = np.sqrt(sum(np.sum(v ** 2) for v in g.values()))
+    assert 1.0 < gnorm < 2.5, gnorm  # between the two clipping thresholds below (by a factor 2)
+
+    j32 = lambda t: {kk: jnp.asarray(v, jnp.float32) for kk, v in t.items()}  # noqa: E731
+    mask = {kk: v.ndim >= 2 for kk, v in p0.items()}  # optax.adamw decays weight matrices only (the default mask)
+    for max_norm in (0.5, 5.0):
+        opt = jaxfox.fused_adamw(lr, b1, b2, adam_eps, weight_decay=wd, max_grad_norm=max_norm)
+        opt_state = optim.FusedAdamWState(jnp.asarray(count0, jnp.int32), fp(mu0), fp(nu0))
+        state = AgentState(fp(p0), fp(pt0), opt_state, buf, jnp.zeros((), jnp.int32))
+        update = jax.jit(make_update(opt, dan, z, batch_size=B, alpha=alpha, tau=tau, priority_eps=eps_p,
+                                     bf16=False))
+        new, info = update(state, key, beta)
+        np.testing.assert_array_equal(np.asarray(info["indices"]), idx)
+        np.testing.assert_allclose(float(info["loss"]), loss, rtol=2e-6)
+        np.testing.assert_allclose(np.asarray(info["loss_b"]), loss_b, rtol=2e-6)
+        np.testing.assert_allclose(float(info["loss_unweighted"]), loss_b.mean(), rtol=2e-6)
+
+        # --- optimizer step: optax from the same mid-training state
+        tx = optax.chain(optax.clip_by_global_norm(max_norm),
+                         optax.adamw(lr, b1, b2, adam_eps, weight_decay=wd, mask=mask))
+        st = optax.tree_utils.tree_set(tx.init(j32(p0)), count=jnp.asarray(count0, jnp.int32), mu=j32(mu0),
+                                       nu=j32(nu0))
+
+        @jax.jit  # one compilation instead of one per eager optax op
+        def optax_step(grads, s, params, tx=tx):
+            upd, s1 = tx.update(grads, s, params)
+            return optax.apply_updates(params, upd), s1
+
+        p1, st1 = optax_step(j32(g), st, j32(p0))
+        p1 = {kk: np.asarray(v, np.float64) for kk, v in p1.items()}
+        mu1, nu1 = optax.tree_utils.tree_get(st1, "mu"), optax.tree_utils.tree_get(st1, "nu")
+        got_online, got_target = new.online.tree, new.target.tree
+        got_mu, got_nu = new.opt.mu.tree, new.opt.nu.tree
+        for kk in shapes:
+            msg = f"{kk}, max_grad_norm {max_norm}"
+            assert np.max(np.abs(p1[kk] - p0[kk])) > 1e-3, msg  # every leaf moves by ~lr >> the tolerance
+            np.testing.assert_allclose(np.asarray(got_online[kk]), p1[kk], rtol=1e-6, atol=1e-7, err_msg=msg)
+            np.testing.assert_allclose(np.asarray(got_mu[kk]), np.asarray(mu1[kk]), rtol=1e-5, atol=5e-8,
+                                       err_msg=msg)
+            np.testing.assert_allclose(np.asarray(got_nu[kk]), np.asarray(nu1[kk]), rtol=2e-6, err_msg=msg)
+            # EMA target: tau * online' + (1 - tau) * target
+            np.testing.assert_allclose(np.asarray(got_target[kk]), tau * p1[kk] + (1 - tau) * pt0[kk],
+                                       rtol=1e-6, atol=1e-7, err_msg=msg)
+        assert int(new.opt.count) == count0 + 1 and int(new.step) == 1
+
+        # --- priorities: sampled slots <- loss_b + eps (duplicates carry equal losses), the rest unchanged
+        want = np.zeros(C)
+        want[:n] = prio0
+        want[idx] = loss_b + eps_p
+        np.testing.assert_allclose(np.asarray(new.buffer.priorities), want, rtol=2e-6)
+        np.testing.assert_allclose(float(new.buffer.max_priority), max(1.0, prio0.max(), want.max()), rtol=2e-6)
 
 
 def _load_train_dqn():
