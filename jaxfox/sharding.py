@@ -25,9 +25,11 @@ import numpy as np
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["batch_mesh", "batch_sharding", "check_divisible", "data_parallel_value_and_grad", "reshard_args"]
+__all__ = ["batch_mesh", "batch_axis", "batch_sharding", "check_divisible", "data_parallel_value_and_grad",
+           "reshard_args"]
 
 AXIS = "batch"
+"""The axis name of :func:`batch_mesh`'s meshes."""
 
 
 def batch_mesh(devices=None, *, axis_name: str = AXIS) -> Mesh:
@@ -42,15 +44,39 @@ def batch_mesh(devices=None, *, axis_name: str = AXIS) -> Mesh:
     return Mesh(np.array(devices), (axis_name,))
 
 
-def batch_sharding(mesh: Mesh, *, axis_name: str = AXIS) -> NamedSharding:
-    """Sharding of an array whose leading axis is the batch: split over ``axis_name``, the rest whole."""
-    return NamedSharding(mesh, P(axis_name))
+def batch_axis(mesh: Mesh, axis_name: str | None = None) -> str:
+    """The mesh axis that the batch is split over.
+
+    ``axis_name`` when given (it must be an axis of ``mesh``); otherwise the only axis of a one-axis mesh
+    (whatever its name: ``"batch"``, ``"data"``, ...), or the axis named ``"batch"`` of a larger mesh.
+
+    Raises:
+      ValueError: ``axis_name`` is not an axis of ``mesh``, or it is None and ``mesh`` has several axes,
+        none named ``"batch"``.
+    """
+    names = tuple(mesh.axis_names)
+    if axis_name is not None:
+        if axis_name not in names:
+            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes are {names}")
+        return axis_name
+    if len(names) == 1:
+        return names[0]
+    if AXIS in names:
+        return AXIS
+    raise ValueError(f"mesh has axes {names}: name the one the batch is split over with axis_name=, or use a "
+                     f"one-axis mesh (jaxfox.sharding.batch_mesh())")
 
 
-def check_divisible(name: str, batch: int, mesh: Mesh, *, axis_name: str = AXIS) -> None:
-    """Raises ValueError naming ``name`` when ``batch`` does not split evenly over the mesh axis."""
-    if axis_name not in mesh.shape:
-        raise ValueError(f"mesh must have an axis named {axis_name!r}, got axes {tuple(mesh.axis_names)}")
+def batch_sharding(mesh: Mesh, *, axis_name: str | None = None) -> NamedSharding:
+    """Sharding of an array whose leading axis is the batch: split over the batch axis (:func:`batch_axis`),
+    the rest whole."""
+    return NamedSharding(mesh, P(batch_axis(mesh, axis_name)))
+
+
+def check_divisible(name: str, batch: int, mesh: Mesh, *, axis_name: str | None = None) -> None:
+    """Raises ValueError naming ``name`` when ``batch`` does not split evenly over the batch axis
+    (:func:`batch_axis`, whose errors it raises too)."""
+    axis_name = batch_axis(mesh, axis_name)
     n = mesh.shape[axis_name]
     if batch % n:
         raise ValueError(f"{name}: the batch axis ({batch}) must be divisible by the {n} devices of the mesh "
@@ -68,7 +94,7 @@ def reshard_args(mesh, args, specs) -> tuple:
                  for a, spec in zip(args, specs))
 
 
-def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: str = AXIS, batch_argnums=(1,),
+def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: str | None = None, batch_argnums=(1,),
                                  has_aux: bool = False):
     """Data-parallel ``jax.value_and_grad(fun)`` over the batch axis of a mesh.
 
@@ -76,7 +102,9 @@ def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: st
       fun: ``fun(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``), where ``loss`` is a
         float32 scalar that is a MEAN over the batch rows of the batch arguments. ``aux`` is a pytree of
         per-row arrays (leading axis = the local batch), returned concatenated over devices in batch order.
-      mesh: a mesh with an axis ``axis_name`` (default: :func:`batch_mesh`, all local devices).
+      mesh: the device mesh (default: :func:`batch_mesh`, all local devices).
+      axis_name: the mesh axis the batch is split over (default: :func:`batch_axis`: the only axis of a
+        one-axis mesh, else the axis named "batch"); the other axes of the mesh replicate the work.
       batch_argnums: positions (in ``fun``'s signature, params = 0) of the arguments whose every leaf
         has the batch as its leading axis; they are split over the devices. The other arguments, and
         ``params``, are replicated.
@@ -88,9 +116,11 @@ def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: st
 
     Raises:
       ValueError: at trace time, when a batch argument's leading axis is not divisible by the number
-        of devices on ``axis_name`` (the message names the argument), or ``batch_argnums`` names params.
+        of devices on ``axis_name`` (the message names the argument); at once, when ``batch_argnums``
+        names params or the mesh has no such axis (:func:`batch_axis`).
     """
-    mesh = batch_mesh(axis_name=axis_name) if mesh is None else mesh
+    mesh = batch_mesh(axis_name=axis_name or AXIS) if mesh is None else mesh
+    axis_name = batch_axis(mesh, axis_name)
     batch_argnums = tuple(int(i) for i in batch_argnums)
     if 0 in batch_argnums:
         raise ValueError("batch_argnums: position 0 is params, which are replicated, not split")

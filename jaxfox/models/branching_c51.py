@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfox
 from jaxfox import per
-from jaxfox.sharding import AXIS, batch_mesh, check_divisible
+from jaxfox.sharding import batch_axis, batch_mesh, check_divisible
 
 __all__ = [
     "BranchingC51", "support", "forward", "q_values", "greedy_actions", "epsilon_greedy", "AgentState",
@@ -240,25 +240,28 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     info = {"loss": weighted mean loss, "loss_unweighted": mean loss_b, "indices": [B] sampled slots,
     "loss_b": [B] per-sample loss}.
 
-    Data parallel over ``mesh`` (a mesh with an axis "batch"; default: all local devices,
-    :func:`jaxfox.sharding.batch_mesh`): the whole update runs in one ``jax.shard_map`` in which every
-    device holds the whole (replicated) agent state and draws the same B indices; device i then computes
-    the loss and gradient of rows [i B / N, (i + 1) B / N) only, and exactly one collective follows: an
-    all-reduce of the gradient, the loss and the per-sample losses [B] (each device contributes its rows,
-    zeros elsewhere), which the priority update needs. The optimizer, EMA and priority updates then run identically on every device, so
-    the state stays replicated. No observation is gathered: each device reads its rows from its own copy.
+    Data parallel over ``mesh`` (default: all local devices, :func:`jaxfox.sharding.batch_mesh`; the batch is split
+    over :func:`jaxfox.sharding.batch_axis`: the only axis of a one-axis mesh, else "batch"): the whole update runs
+    in one ``jax.shard_map`` in which every device holds the whole (replicated) agent state and draws the same B
+    indices; device i then computes the loss and gradient of rows [i B / N, (i + 1) B / N) only, and exactly one
+    collective follows: an all-reduce of the gradient, the loss and the per-sample losses [B] (each device
+    contributes its rows, zeros elsewhere), which the priority update needs. The optimizer, EMA and priority
+    updates then run identically on every device, so the state stays replicated. No observation is gathered: each
+    device reads its rows from its own copy.
 
     Raises:
-      ValueError: ``batch_size`` is not divisible by the number of devices in the mesh.
+      ValueError: ``batch_size`` is not divisible by the number of devices on the batch axis, or the mesh
+        has several axes and none is named "batch".
     """
     mesh = batch_mesh() if mesh is None else mesh
-    check_divisible("batch_size", batch_size, mesh)
-    n_dev = mesh.shape[AXIS]
+    axis = batch_axis(mesh)
+    check_divisible("batch_size", batch_size, mesh, axis_name=axis)
+    n_dev = mesh.shape[axis]
     local = batch_size // n_dev
 
     def body(state: AgentState, key, beta):
         idx, w = per.sample(state.buffer, key, batch_size, alpha=alpha, beta=beta)
-        start = jax.lax.axis_index(AXIS) * local
+        start = jax.lax.axis_index(axis) * local
         idx_l = jax.lax.dynamic_slice_in_dim(idx, start, local)
         w_l = jax.lax.dynamic_slice_in_dim(w, start, local)
         batch = per.sample_items(state.buffer, idx_l)
@@ -267,7 +270,7 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
         # ONE all-reduce carries the gradient, the loss and the per-sample losses: each device writes its
         # rows' losses into a zero [B] vector, and the sum over devices is the whole batch's [B] losses.
         loss_rows = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((batch_size,), loss_l.dtype), loss_l, start, 0)
-        grads, lw, loss_b = jax.lax.psum((grads, lw, loss_rows), AXIS)
+        grads, lw, loss_b = jax.lax.psum((grads, lw, loss_rows), axis)
         grads = jax.tree.map(lambda g: g / n_dev, grads)
         lw = lw / n_dev
         updates, opt_state = opt.update(grads, state.opt, state.online)

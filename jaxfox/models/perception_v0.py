@@ -145,9 +145,9 @@ def data_parallel_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh=N
 def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, *, mesh=None):
     """One AdamW step on a batch x [B, T, m], y [B]; updates ``model`` and ``optimizer`` in place.
 
-    Data parallel over ``mesh`` (a ``jax.sharding.Mesh`` with an axis "batch"; default: all local devices,
-    :func:`jaxfox.sharding.batch_mesh`), see :func:`data_parallel_step`. Returns the batch's mean BCE
-    before the update (float32 scalar).
+    Data parallel over ``mesh`` (a ``jax.sharding.Mesh``; default: all local devices,
+    :func:`jaxfox.sharding.batch_mesh`; the batch is split over :func:`jaxfox.sharding.batch_axis`), see
+    :func:`data_parallel_step`. Returns the batch's mean BCE before the update (float32 scalar).
 
     Raises:
       ValueError: B is not divisible by the number of devices in the mesh.
