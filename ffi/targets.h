@@ -13,7 +13,8 @@
   X(jaxfox_per_sample)      \
   X(jaxfox_cfc_bwd)         \
   X(jaxfox_attention_pool_fwd) \
-  X(jaxfox_attention_pool_bwd)
+  X(jaxfox_attention_pool_bwd) \
+  X(jaxfox_adamw_apply)
 
 #define JAXFOX_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JAXFOX_TARGETS(JAXFOX_DECLARE)

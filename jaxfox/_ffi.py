@@ -107,7 +107,7 @@ def kernels_unavailable_reason() -> str | None:
 
 
 OPT_IN_ENV = "JAXFOX_OPT_IN_KERNELS"
-OPT_IN = ("attention_pool", "grouped_matmul")
+OPT_IN = ("attention_pool", "grouped_matmul", "adamw")
 """Ops whose kernels are slower than XLA on the H200 so far (BENCHMARKS.md): they run the reference unless
 named in ``JAXFOX_OPT_IN_KERNELS`` (comma-separated, or ``all``), read when a function is traced."""
 

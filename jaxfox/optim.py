@@ -7,14 +7,17 @@ Math and edge rules: OPS.md "Optimizer and parameter maintenance (flat buffers)"
   row-major).
 * :func:`fused_adamw`: ``optax.adamw`` semantics (Loshchilov & Hutter 2019, "Decoupled Weight Decay
   Regularization"), optionally preceded by ``optax.clip_by_global_norm`` (Pascanu et al. 2012), as
-  one ``optax.GradientTransformation``.
+  one ``optax.GradientTransformation`` (a :class:`FusedAdamW`) whose ``step`` also applies the update.
 * :func:`ema_update`: Polyak averaging of target weights.
 * :func:`cast_bf16`: float32 -> bfloat16, round to nearest even, bit-exact against
   ``x.astype(jnp.bfloat16)`` on CPU.
 
-These ops are XLA code over the flat buffer on every platform: single-launch CUDA kernels for them were
-written and measured on the H200, and XLA's fused elementwise code was faster (AdamW 0.59-0.68x, EMA 0.51x
-and cast 0.9x at 10M parameters; BENCHMARKS.md), so they were not landed.
+These ops are XLA code over the flat buffer: single-launch CUDA kernels for them were written and measured
+on the H200, and XLA's fused elementwise code was faster (AdamW 0.59-0.68x, EMA 0.51x and cast 0.9x at 10M
+parameters; BENCHMARKS.md), so they were not landed. Those AdamW kernels returned optax-style updates and
+paid ``apply_updates``' extra pass; :meth:`FusedAdamW.step` on a :class:`FlatParams` can instead run ONE
+fused update-and-apply kernel (``ffi/optim.cu``, target ``jaxfox_adamw_apply``: params, mu, nu updated in
+place), opt-in (``JAXFOX_OPT_IN_KERNELS=adamw``) until it is measured faster than XLA.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in
+
 __all__ = [
-    "FlatParams", "flatten", "default_decay_mask", "FusedAdamWState", "fused_adamw", "ema_update",
+    "FlatParams", "flatten", "default_decay_mask", "FusedAdamWState", "FusedAdamW", "fused_adamw", "ema_update",
     "cast_bf16",
 ]
 
@@ -216,9 +221,62 @@ def _full_mask(mask, updates, params):
     return jax.tree.unflatten(jax.tree.structure(params), out)
 
 
+class FusedAdamW(optax.GradientTransformation):
+    """What :func:`fused_adamw` returns: an ``optax.GradientTransformation`` (``init``, ``update``, usable
+    in ``optax.chain``, ``flax.nnx.Optimizer`` and anywhere else one is expected) with :meth:`step`.
+
+    A plain NamedTuple subclass (no extra fields): the fused step travels as an attribute of ``update``,
+    so copies and pytree round trips (``type(tx)(init, update)``) keep it.
+    """
+
+    __slots__ = ()
+
+    def step(self, grads, state, params):
+        """One optimizer step with the update applied: ``(new_params, new_state)``.
+
+        On the reference path exactly ``updates, new_state = self.update(grads, state, params)`` then
+        ``new_params = optax.apply_updates(params, updates)`` (the same operations, so bitwise the same
+        results). When ``params`` and ``grads`` are :class:`FlatParams`, the function is compiled for CUDA
+        with the kernels available (:func:`jaxfox.kernels_available`) and the kernel is opted in
+        (``JAXFOX_OPT_IN_KERNELS=adamw``), it is one fused CUDA kernel (``ffi/optim.cu``,
+        ``jaxfox_adamw_apply``) that reads params, grads, mu, nu [P] float32 and the decay mask [P] bool
+        and writes params, mu, nu in place (plus a norm pass over grads when clipping), agreeing with the
+        reference to ~1 ulp per step (XLA may contract a * b + c into FMAs; the kernel rounds every
+        operation) and bitwise repeatable. The kernel writes params, mu and nu in place (aliased outputs):
+        donate them (``jax.jit(..., donate_argnums=...)``) or carry them through a ``lax.scan`` /
+        ``fori_loop``, or XLA copies each buffer before the kernel runs (8 more bytes per parameter each).
+
+        Args:
+          grads: gradients, the structure, shapes and float32 dtype of ``params``.
+          state: the :class:`FusedAdamWState` from ``init`` or the previous step.
+          params: the current parameters (float32 pytree or :class:`FlatParams`).
+
+        Returns:
+          (new_params like ``params``, new :class:`FusedAdamWState`).
+
+        Raises:
+          The errors of ``update`` (ValueError without params; TypeError/ValueError for non-float32
+          leaves, mismatched structures or shapes, a state not from ``init``, a malformed mask).
+        """
+        fused = getattr(self.update, "_jaxfox_step", None)
+        if fused is not None:
+            return fused(grads, state, params)
+        updates, state = self.update(grads, state, params)  # a transformation rebuilt around another update
+        return optax.apply_updates(params, updates), state
+
+
+_NORM_BLOCK_ELEMS = 4096   # elements per partial sum of the clip's norm pass (at least)
+_MAX_NORM_BLOCKS = 1024    # ffi/optim.cu kMaxNormBlocks
+
+
+def _norm_blocks(P: int) -> int:
+    """Number of per-block partial sums of g^2 (a function of P only, so the sum order is too)."""
+    return max(1, min(_MAX_NORM_BLOCKS, -(-P // _NORM_BLOCK_ELEMS)))
+
+
 def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 weight_decay: float = 1e-4, mask=None, max_grad_norm: float | None = None
-                ) -> optax.GradientTransformation:
+                ) -> FusedAdamW:
     """AdamW with optional global-norm clipping, as one ``optax.GradientTransformation``.
 
     Equals ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(learning_rate, b1,
@@ -246,9 +304,12 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
       max_grad_norm: None (no clipping) or the clipping threshold >= 0.
 
     Returns:
-      ``optax.GradientTransformation``; ``init(params)`` gives a :class:`FusedAdamWState` (count
-      int32 0, mu and nu float32 zeros like params); ``update(grads, state, params)`` requires
-      params and float32 leaves everywhere.
+      A :class:`FusedAdamW` (an ``optax.GradientTransformation``); ``init(params)`` gives a
+      :class:`FusedAdamWState` (count int32 0, mu and nu float32 zeros like params);
+      ``update(grads, state, params)`` requires params and float32 leaves everywhere;
+      ``step(grads, state, params) -> (new_params, new_state)`` is ``update`` then
+      ``optax.apply_updates``, one fused CUDA kernel for :class:`FlatParams` when opted in
+      (:meth:`FusedAdamW.step`).
 
     Raises:
       TypeError/ValueError (at construction): a hyperparameter of the wrong type or out of range.
@@ -270,14 +331,17 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         return FusedAdamWState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros))
 
-    def update_fn(updates, state, params=None):
+    def check(updates, state, params, what):
         if params is None:
-            raise ValueError("fused_adamw.update needs params (decoupled weight decay): "
-                             "call update(grads, state, params)")
+            raise ValueError(f"fused_adamw.{what} needs params (decoupled weight decay): "
+                             f"call {what}(grads, state, params)")
         _check_f32_tree("params", params)
         _check_f32_tree("updates", updates, like=params)
         if not isinstance(state, FusedAdamWState):
             raise TypeError(f"state must be a FusedAdamWState (from init), got {type(state).__name__}")
+
+    def update_fn(updates, state, params=None):
+        check(updates, state, params, "update")
         g = updates
         if max_grad_norm is not None:
             # optax.clip_by_global_norm, plus the norm == 0 guard (0 / 0 * 0 would be NaN).
@@ -305,7 +369,48 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
             u = jax.tree.map(lambda x: step * x, u)
         return u, FusedAdamWState(count=count_inc, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    def reference_step(grads, state, params):
+        updates, state = update_fn(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def kernel_step(grads, state, params):
+        """ffi/optim.cu jaxfox_adamw_apply on the flat buffers; the scalar work (bias corrections, the
+        learning rate) is the reference's own expressions, in JAX."""
+        P = params.layout.size
+        count_inc = optax.safe_increment(state.count)
+        bc1 = 1 - b1 ** count_inc
+        bc2 = 1 - b2 ** count_inc
+        lr_neg = -learning_rate(state.count) if callable(learning_rate) else -1 * learning_rate
+        scalars = jnp.stack([jnp.asarray(lr_neg, jnp.float32), bc1.astype(jnp.float32), bc2.astype(jnp.float32)])
+        mask_mode, mask_arr = 0, jnp.zeros((0,), jnp.bool_)
+        if weight_decay != 0.0:
+            (m,) = jax.tree.leaves(_full_mask(mask_fn, grads, params))
+            if isinstance(m, bool):
+                mask_mode = 1 if m else 0
+            else:
+                mask_mode, mask_arr = 2, jnp.broadcast_to(m, (P,))
+        clip = max_grad_norm is not None
+        f32 = jax.ShapeDtypeStruct((P,), jnp.float32)
+        out = (f32, f32, f32, jax.ShapeDtypeStruct((_norm_blocks(P) if clip else 0,), jnp.float32))
+        new_p, new_mu, new_nu, _ = _ffi_call(
+            "jaxfox_adamw_apply", out, vmap_method="broadcast_all", input_output_aliases={0: 0, 2: 1, 3: 2})(
+            params.flat, grads.flat, state.mu.flat, state.nu.flat, mask_arr, scalars,
+            b1=np.float32(b1), one_minus_b1=np.float32(1 - b1), b2=np.float32(b2), one_minus_b2=np.float32(1 - b2),
+            eps=np.float32(eps), weight_decay=np.float32(weight_decay),
+            max_grad_norm=np.float32(max_grad_norm if clip else 0.0), clip=np.int64(clip),
+            mask_mode=np.int64(mask_mode), norm_blocks=np.int64(_norm_blocks(P) if clip else 0))
+        return FlatParams(new_p, params.layout), FusedAdamWState(
+            count=count_inc, mu=FlatParams(new_mu, state.mu.layout), nu=FlatParams(new_nu, state.nu.layout))
+
+    def step_fn(grads, state, params):
+        check(grads, state, params, "step")
+        flat = all(isinstance(x, FlatParams) and x.layout == params.layout for x in (grads, state.mu, state.nu))
+        if not isinstance(params, FlatParams) or not flat or params.layout.size == 0 or not kernel_opted_in("adamw"):
+            return reference_step(grads, state, params)
+        return dispatch(kernel_step, reference_step, grads, state, params)
+
+    update_fn._jaxfox_step = step_fn
+    return FusedAdamW(init_fn, update_fn)
 
 
 # ----------------------------------------------------------------------------------------------

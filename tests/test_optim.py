@@ -358,3 +358,271 @@ def test_cast_bf16_random_bits_and_jit():
     np.testing.assert_array_equal(got.ravel()[:3000], np_bf16_bits(sub.view(np.float32)))
     with pytest.raises(TypeError, match="float32"):
         optim.cast_bf16(jnp.ones(3, jnp.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# FusedAdamW.step (update + apply_updates in one call; one CUDA kernel on FlatParams when opted in).
+def _flat_case(seed=0):
+    params = mlp_params(seed)
+    fp = optim.FlatParams.from_tree(params)
+    gs = [optim.FlatParams(optim.flatten(grads_at(t, params, (0.01, 0.5, 2.0)[t % 3]))[0], fp.layout)
+          for t in range(12)]
+    return fp, gs
+
+
+def _bits_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("flat", [True, False])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_step_is_update_then_apply_updates_bitwise(flat, clip):
+    """Reference path: step == update then optax.apply_updates, bitwise, eagerly and under one jit each."""
+    fp, gs = _flat_case(1)
+    params = fp if flat else fp.tree
+    grads = gs if flat else [g.tree for g in gs]
+    lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 4, 12, 1e-4)
+    tx = optim.fused_adamw(lr, weight_decay=0.05, max_grad_norm=clip)
+    assert isinstance(tx, optim.FusedAdamW) and isinstance(tx, optax.GradientTransformation)
+
+    def two_calls(g, s, p):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for mode in ("eager", "jit"):
+        step = tx.step if mode == "eager" else jax.jit(tx.step)
+        ref = two_calls if mode == "eager" else jax.jit(two_calls)
+        p1 = p2 = params
+        s1 = s2 = tx.init(params)
+        for g in grads:
+            p1, s1 = step(g, s1, p1)
+            p2, s2 = ref(g, s2, p2)
+            _bits_equal((p1, s1), (p2, s2))
+        assert type(p1) is type(params) and int(s1.count) == len(grads)
+    # ...and the result is AdamW's: the float64 equations on the tree (clipping crosses the threshold).
+    tree = fp.tree
+    mask = {k: jax.tree.map(lambda x: x.ndim >= 2, v) for k, v in tree.items()}
+    want = np_adamw_tree(tree, [g.tree for g in gs], lr, 0.9, 0.999, 1e-8, 0.05, mask, clip)
+    got = p1.tree if flat else p1
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=2e-6)
+
+
+def np_adamw_tree(params, grads_seq, lr_fn, b1, b2, eps, wd, mask, max_norm):
+    """np_adamw over nested dicts (flattened by path)."""
+    flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)}  # noqa: E731
+    out = np_adamw(flat(params), [flat(g) for g in grads_seq], lambda c: float(lr_fn(c)), b1, b2, eps, wd,
+                   flat(mask), max_norm)
+    return jax.tree.unflatten(jax.tree.structure(params), [out[k] for k in flat(params)])
+
+
+def test_fused_adamw_is_a_gradient_transformation_everywhere():
+    """optax.chain, flax nnx.Optimizer, copies and pytree round trips keep working (and keep step)."""
+    import copy
+
+    from flax import nnx
+
+    params = mlp_params(2)
+    g = grads_at(0, params, 0.3)
+    tx = optim.fused_adamw(1e-2, weight_decay=0.1, mask=ndim_mask)
+    ref = optax.adamw(1e-2, weight_decay=0.1, mask=ndim_mask)
+    # optax.chain
+    ch, ch_ref = optax.chain(tx, optax.scale(0.5)), optax.chain(ref, optax.scale(0.5))
+    u1, _ = ch.update(g, ch.init(params), params)
+    u2, _ = ch_ref.update(g, ch_ref.init(params), params)
+    assert_within_ulps(u1, u2, ulps=2)
+    # copies and pytree round trips rebuild the NamedTuple as type(tx)(init, update): step survives
+    leaves, tdef = jax.tree.flatten(tx, is_leaf=callable)
+    for other in (copy.copy(tx), copy.deepcopy(tx), jax.tree.unflatten(tdef, leaves)):
+        assert isinstance(other, optim.FusedAdamW)
+        _bits_equal(other.step(g, other.init(params), params), tx.step(g, tx.init(params), params))
+    # a transformation rebuilt around another update still steps (update then apply)
+    plain = tx._replace(update=ref.update)
+    p_plain, _ = plain.step(g, ref.init(params), params)
+    u, _ = ref.update(g, ref.init(params), params)
+    _bits_equal(p_plain, optax.apply_updates(params, u))
+    # flax nnx.Optimizer
+    def make(t):
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, t, wrt=nnx.Param)
+
+    (m1, o1), (m2, o2) = make(optim.fused_adamw(1e-2, weight_decay=0.1)), make(
+        optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    grads = nnx.grad(lambda mm: jnp.sum(mm(x) ** 2))(m1)  # the same gradients for both (no feedback)
+    upd = nnx.jit(lambda m, o, g: o.update(m, g))  # jitted: eager pow(0.999, count) rounds otherwise
+    for _ in range(3):
+        for m, o in ((m1, o1), (m2, o2)):
+            upd(m, o, grads)
+    assert_within_ulps(nnx.state(m1, nnx.Param), nnx.state(m2, nnx.Param), ulps=4)
+    assert float(jnp.max(jnp.abs(m1.kernel[...] - nnx.Linear(4, 3, rngs=nnx.Rngs(0)).kernel[...]))) > 1e-3
+
+
+def _lower_step(tx, g, st, fp, jit_fn=None):
+    fn = jit_fn or jax.jit(tx.step)
+    return fn.trace(g, st, fp).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _adamw_calls(text):
+    return [l for l in text.splitlines() if "custom_call @jaxfox_adamw_apply" in l]
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_step_kernel_path_lowers_for_cuda_with_aliasing(clip, monkeypatch):
+    """Kernels forced available and opted in: step on FlatParams lowers (no GPU needed) to ONE
+    jaxfox_adamw_apply call with params, mu, nu aliased to its outputs and the attrs of the reference."""
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "adamw")
+    fp, gs = _flat_case(0)
+    P = fp.layout.size
+    lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, 100, 1e-4)  # a traced learning rate
+    tx = optim.fused_adamw(lr, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05, max_grad_norm=clip)
+    st = tx.init(fp)
+    text = _lower_step(tx, gs[0], st, fp)
+    (call,) = _adamw_calls(text)
+    for k in range(3):  # outputs 0, 1, 2 <- operands 0 (params), 2 (mu), 3 (nu)
+        assert (f"output_tuple_indices = [{k}], operand_index = {(0, 2, 3)[k]}, operand_tuple_indices = []"
+                in call), call
+    assert f"(tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xi1>, tensor<3xf32>)" in call
+    nb = optim._norm_blocks(P) if clip else 0
+    assert f"tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xf32>, tensor<{nb}xf32>)" in call
+    assert f"clip = {int(clip is not None)} : i64" in call and "mask_mode = 2 : i64" in call
+    assert f"norm_blocks = {nb} : i64" in call and "one_minus_b1 = 2.000000e-01 : f32" in call
+    # inside a jitted training loop (scan over steps), with the schedule's count traced
+    def loop(fp, st, gflat):
+        def body(c, g):
+            p, s = tx.step(optim.FlatParams(g, fp.layout), c[1], c[0])
+            return (p, s), None
+        return jax.lax.scan(body, (fp, st), gflat)[0]
+
+    gflat = jnp.stack([g.flat for g in gs])
+    text = jax.jit(loop).trace(fp, st, gflat).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(_adamw_calls(text)) == 1
+    # vmap (an ensemble of optimizers): broadcast_all batches every operand, aliasing kept
+    vtext = jax.jit(jax.vmap(tx.step)).trace(
+        *jax.tree.map(lambda x: jnp.stack([x, x]), (gs[0], st, fp))).lower(lowering_platforms=("cuda",)).as_text()
+    (vcall,) = _adamw_calls(vtext)
+    assert f"tensor<2x{P}xi1>, tensor<2x3xf32>)" in vcall and "operand_index = 3" in vcall
+    # lowered for CPU and CUDA at once: platform_dependent keeps both branches (their types must agree)
+    both = jax.jit(tx.step).trace(gs[0], st, fp).lower(lowering_platforms=("cpu", "cuda")).as_text()
+    assert len(_adamw_calls(both)) == 1 and "stablehlo.case" in both
+
+
+def test_dqn_update_lowers_with_the_adamw_kernel_when_opted_in(monkeypatch):
+    """make_update uses opt.step: inside its shard_map the fused AdamW kernel replaces update + apply."""
+    import jaxfox._ffi
+    from jaxfox.models.branching_c51 import init_agent, make_update, support
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    agent, opt, dan = init_agent(jax.random.key(0), num_branches=2, capacity=128)
+    # a fresh update function per lowering: shard_map caches its traced body (the opt-in is read at trace time)
+    lower = lambda: jax.jit(make_update(opt, dan, support(), batch_size=32)).trace(  # noqa: E731
+        agent, jax.random.key(1), 0.4).lower(lowering_platforms=("cuda",)).as_text()
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
+    assert not _adamw_calls(lower())
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "adamw")
+    text = lower()
+    assert len(_adamw_calls(text)) == 1 and "custom_call @jaxfox_c51_loss" in text
+
+
+def test_step_kernel_path_mask_modes_and_fallbacks(monkeypatch):
+    import jaxfox
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    fp, gs = _flat_case(0)
+    tx = optim.fused_adamw(1e-3, weight_decay=0.1)
+    st = tx.init(fp)
+    # opt-in off: the reference, no custom call
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
+    assert not _adamw_calls(_lower_step(tx, gs[0], st, fp))
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "adamw")
+    assert len(_adamw_calls(_lower_step(tx, gs[0], st, fp))) == 1
+    # update alone never runs the kernel; plain pytrees and use_reference() run the reference
+    assert not _adamw_calls(jax.jit(tx.update).trace(gs[0], st, fp).lower(lowering_platforms=("cuda",)).as_text())
+    tree, gtree = fp.tree, gs[0].tree
+    assert not _adamw_calls(_lower_step(tx, gtree, tx.init(tree), tree))
+    with jaxfox.use_reference():
+        monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: False)
+        assert not _adamw_calls(_lower_step(tx, gs[0], st, fp))
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    # mask modes: no decay (wd = 0, or mask False) -> 0 with an empty mask, decay everywhere -> 1
+    for kw, mode in ((dict(weight_decay=0.0), 0), (dict(mask=False), 0), (dict(mask=True), 1),
+                     (dict(mask=lambda p: optim.default_decay_mask(p)), 2)):
+        t = optim.fused_adamw(1e-3, **kw)
+        (call,) = _adamw_calls(_lower_step(t, gs[0], t.init(fp), fp))
+        assert f"mask_mode = {mode} : i64" in call
+        assert ("tensor<0xi1>" in call) == (mode != 2)
+
+
+def _fake_adamw_apply(target, out_shapes, vmap_method, input_output_aliases):
+    """NumPy model of ffi/optim.cu jaxfox_adamw_apply (float32, one rounding per operation, the
+    header's order; the norm summed in float64), run through pure_callback: checks on CPU what the
+    Python side hands the kernel (scalars, attrs, mask, output order)."""
+    assert target == "jaxfox_adamw_apply" and vmap_method == "broadcast_all"
+    assert input_output_aliases == {0: 0, 2: 1, 3: 2}
+
+    def run(p, g, m, v, mask, scal, *, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_grad_norm,
+            clip, mask_mode, norm_blocks):
+        f = np.float32
+        p, g, m, v = (np.asarray(a, np.float32).copy() for a in (p, g, m, v))
+        lr_neg, bc1, bc2 = (f(x) for x in np.asarray(scal))
+        if clip:
+            norm = f(np.sqrt(f(np.sum(g.astype(np.float64) ** 2))))
+            if not (norm < max_grad_norm or norm == 0):
+                g = (g / norm) * f(max_grad_norm)
+        m = f(one_minus_b1) * g + f(b1) * m
+        v = f(one_minus_b2) * (g * g) + f(b2) * v
+        u = (m / bc1) / (np.sqrt(v / bc2) + f(eps))
+        decay = np.asarray(mask, bool) if mask_mode == 2 else np.full(p.shape, mask_mode == 1)
+        u = np.where(decay, u + f(weight_decay) * p, u)
+        p = p + lr_neg * u
+        ws = np.zeros(out_shapes[3].shape, np.float32)
+        return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32), ws
+
+    def call(*args, **attrs):
+        return jax.pure_callback(lambda *a: run(*a, **attrs), out_shapes, *args)
+
+    return call
+
+
+@pytest.mark.parametrize("clip", [None, 1.0, 0.0])
+@pytest.mark.parametrize("mask", [None, True])
+def test_step_kernel_inputs_give_adamw(clip, mask, monkeypatch):
+    """The kernel branch of step, with the FFI call replaced by a NumPy model of the kernel, matches
+    the reference path to a few ulps and the float64 equations over 12 steps (traced schedule)."""
+    import jaxfox._ffi
+
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "adamw")
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setattr(optim, "dispatch", lambda kernel, reference, *a, **kw: kernel(*a))
+    monkeypatch.setattr(optim, "_ffi_call", _fake_adamw_apply)
+    fp, gs = _flat_case(3)
+    lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 4, 12, 1e-4)
+    kw = dict(b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05, max_grad_norm=clip, mask=mask)
+    tx = optim.fused_adamw(lr, **kw)
+    step = jax.jit(tx.step)
+    p, s = fp, tx.init(fp)
+    pr, sr = fp, tx.init(fp)
+    for g in gs:
+        p, s = step(g, s, p)
+        u, sr = tx.update(g, sr, pr)
+        pr = optax.apply_updates(pr, u)
+    assert int(s.count) == len(gs) and isinstance(p, optim.FlatParams) and isinstance(s.mu, optim.FlatParams)
+    # Compared at each buffer's scale (values crossing zero have tiny ulps): XLA CPU contracts the
+    # reference's a * b + c into FMAs, the model rounds every operation, and 12 steps accumulate that.
+    for a, b in ((p, pr), (s.mu, sr.mu), (s.nu, sr.nu)):
+        a, b = np.asarray(a.flat, np.float64), np.asarray(b.flat, np.float64)
+        assert np.max(np.abs(a - b)) <= 8 * np.spacing(np.float32(np.max(np.abs(b))))
+    tree = fp.tree
+    m = jax.tree.map(lambda x: x.ndim >= 2 if mask is None else True, tree)
+    want = np_adamw_tree(tree, [g.tree for g in gs], lr, 0.8, 0.99, 1e-6, 0.05, m, clip)
+    for a, b in zip(jax.tree.leaves(p.tree), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=2e-6)
+    moved = float(jnp.max(jnp.abs(p.flat - fp.flat)))
+    assert moved > (1e-5 if clip == 0.0 else 1e-3)

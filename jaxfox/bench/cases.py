@@ -6,6 +6,9 @@ targets name; what the H200 run uses) or "large".
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -463,17 +466,34 @@ aux_step_case.summarize = _aux_summary
 _OPTIM_SIZES = {"small": [1 << 16], "default": [1 << 20, 10_000_000, 1 << 24], "large": [1 << 26]}
 
 
+@contextlib.contextmanager
+def _opted_in(name: str):
+    """``name`` added to JAXFOX_OPT_IN_KERNELS while the body runs (wrap the tracing of the jaxfox path)."""
+    from jaxfox._ffi import OPT_IN_ENV
+
+    old = os.environ.get(OPT_IN_ENV)
+    names = {n.strip() for n in (old or "").split(",") if n.strip()} | {name}
+    os.environ[OPT_IN_ENV] = ",".join(sorted(names))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(OPT_IN_ENV, None)
+        else:
+            os.environ[OPT_IN_ENV] = old
+
+
 @register("adamw")
 def adamw_case(size: str) -> list[Variant]:
-    """One fused_adamw step + optax.apply_updates on a FlatParams [P] (default decay mask, no
-    clipping / clipping at 1.0); the reference is the same optax-style XLA code (use_reference()).
+    """One ``fused_adamw(...).step`` (update + apply) on a FlatParams [P] (default decay mask, no
+    clipping / clipping at 1.0). jaxfox path: the fused update-and-apply kernel (``jaxfox_adamw_apply``,
+    opt-in: opted in here while the step is traced); reference: ``update`` then ``optax.apply_updates``,
+    XLA code (use_reference()).
 
     Bytes per parameter, what the fused step must move: params, grads, mu, nu (16) and the bool mask (1)
     in, params, mu, nu (12) out; the norm pass reads grads again (4, clipping only). The updates and
     ``apply_updates``' own pass are not counted: XLA fuses them into the update, so they never reach memory.
     """
-    import optax
-
     from jaxfox import optim
 
     out = []
@@ -488,8 +508,9 @@ def adamw_case(size: str) -> list[Variant]:
 
                     def step(state, g):
                         fp, st = state
-                        u, st = tx.update(optim.FlatParams(g, fp.layout), st, fp)
-                        return (optax.apply_updates(fp, u), st), u.flat[:1]
+                        with _opted_in("adamw"):
+                            fp, st = tx.step(optim.FlatParams(g, fp.layout), st, fp)
+                        return (fp, st), fp.flat[:1]
 
                     return step
 

@@ -235,7 +235,8 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
 
     Steps: (idx, w) = per.sample(buffer, key, B, alpha, beta); batch = per.sample_items(buffer, idx);
     loss = mean(w * categorical_double_q_loss(...)) with online (bf16 forward) and target logits; grads by
-    autodiff into the float32 master buffer; fused AdamW; target <- ema_update(target, online, tau)
+    autodiff into the float32 master buffer; fused AdamW (``opt.step`` when the optimizer has it, else
+    ``opt.update`` + ``optax.apply_updates``); target <- ema_update(target, online, tau)
     (tau = weight of the online params); priorities of the sampled slots <- loss_b + priority_eps.
     info = {"loss": weighted mean loss, "loss_unweighted": mean loss_b, "indices": [B] sampled slots,
     "loss_b": [B] per-sample loss}.
@@ -273,8 +274,11 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
         grads, lw, loss_b = jax.lax.psum((grads, lw, loss_rows), axis)
         grads = jax.tree.map(lambda g: g / n_dev, grads)
         lw = lw / n_dev
-        updates, opt_state = opt.update(grads, state.opt, state.online)
-        online = optax.apply_updates(state.online, updates)
+        if hasattr(opt, "step"):  # jaxfox.fused_adamw: update + apply in one call (one kernel when opted in)
+            online, opt_state = opt.step(grads, state.opt, state.online)
+        else:
+            updates, opt_state = opt.update(grads, state.opt, state.online)
+            online = optax.apply_updates(state.online, updates)
         target = jaxfox.ema_update(state.target, online, tau)
         buf = per.update(state.buffer, idx, loss_b + priority_eps)
         new = AgentState(online, target, opt_state, buf, state.step + 1)
