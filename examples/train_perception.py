@@ -1,22 +1,21 @@
 """The main job: train the perception model on real market data and compare it with single-feature baselines.
 
-Models (``--model``): ``v0`` (default for now): per-variable embedding -> CfC (jaxfox.cfc_scan: CUDA kernels
-on a GPU, the pure-JAX reference on CPU) -> last state -> logit (:mod:`jaxfox.models.perception_v0`);
-``full``: per-variable embedding -> VSN at every step -> CfC -> attention pooling over time -> GRN head ->
-logit (:mod:`jaxfox.models.perception`), which also reports the VSN's mean variable weights (printed, top 10,
-and drawn for all variables in ``vsn_weights.png``). Data: :func:`jaxfox.data.market.make_windows`
+Models (``--model``): ``full`` (the default): per-variable embedding -> VSN at every step -> CfC -> attention
+pooling over time -> GRN head -> logit (:mod:`jaxfox.models.perception`), which also reports the VSN's mean
+variable weights (printed, top 10, and drawn for all variables in ``vsn_weights.png``); ``v0``: per-variable
+embedding -> CfC -> last state -> logit (:mod:`jaxfox.models.perception_v0`). The CfC runs jaxfox.cfc_scan's
+CUDA kernels on a GPU and the pure-JAX reference on CPU. Data: :func:`jaxfox.data.market.make_windows`
 (S&P 500, NASDAQ, WTI features 1999-2018; train <= 2012, validation 2013-2015, test 2016-2018).
 Target: is the next day's absolute S&P 500 log return above its trailing 252-day median?
 
-    python examples/train_perception.py                    # defaults: the README's main job
+    python examples/train_perception.py                    # defaults: the README's main job (full model)
     python examples/train_perception.py --epochs 1 --max-train-windows 256 --out /tmp/quick
-    python examples/train_perception.py --model full --epochs 3   # the full model (TFT blocks)
+    python examples/train_perception.py --model v0         # the smaller model without the TFT blocks
 
 Prints per-epoch train loss, validation loss and AUC; keeps the parameters of the best validation AUC;
 reports the test AUC of those next to the trailing-|return| and trailing-VIX baselines (test span); saves
-``curves.png`` and ``metrics.json`` (and ``vsn_weights.png`` for ``full``) into ``--out``. v0 defaults were
-chosen on validation AUC only (mean over 6 seeds of the best-epoch validation AUC; the test span was not used
-to choose anything).
+``curves.png`` and ``metrics.json`` (and ``vsn_weights.png`` for ``full``) into ``--out``. The defaults of
+both models were chosen on validation AUC only (the test span was not used to choose anything).
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ def parse_args(argv=None):
     from jaxfox.models import DEFAULTS as D  # model/optimizer defaults, shared with jaxfox.bench
     from jaxfox.models.perception import FULL_DEFAULTS as F
 
-    p.add_argument("--model", choices=("v0", "full"), default="v0",
-                   help="v0: embedding -> CfC -> last state; "
-                        "full: embedding -> VSN -> CfC -> attention pool -> GRN head")
+    p.add_argument("--model", choices=("full", "v0"), default="full",
+                   help="full: embedding -> VSN -> CfC -> attention pool -> GRN head; "
+                        "v0: embedding -> CfC -> last state")
     p.add_argument("--epochs", type=int, default=15, help="passes over the training windows")
     p.add_argument("--batch-size", type=int, default=32, help="windows per AdamW step")
     p.add_argument("--window", type=int, default=64, help="T, trading days per window")

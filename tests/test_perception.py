@@ -159,7 +159,7 @@ def test_benchmark_step_is_pure_and_jittable():
 # ---------------------------------------------------------------- the main job on the real data
 def test_main_job_one_short_epoch_on_real_data(tmp_path, capsys):
     tp = import_main_job()
-    metrics = tp.main(["--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])
+    metrics = tp.main(["--model", "v0", "--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["n_train"] == 256 and saved["n_val"] > 500 and saved["n_test"] > 500
@@ -178,7 +178,7 @@ def test_main_job_one_short_epoch_on_real_data(tmp_path, capsys):
 def test_main_job_rejects_bad_arguments(tmp_path):
     tp = import_main_job()
     with pytest.raises(SystemExit):
-        tp.main(["--epochs", "0", "--out", str(tmp_path)])
+        tp.main(["--model", "v0", "--epochs", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         tp.main(["--max-train-windows", "4", "--out", str(tmp_path)])
 

@@ -258,10 +258,10 @@ def test_perception_train_step_lowers_loss():
         assert changed and any(changed), part
 
 
-# ---------------------------------------------------------------- the main job, --model full
+# ---------------------------------------------------------------- the main job (its default model is full)
 def test_main_job_full_one_short_epoch_on_real_data(tmp_path, capsys):
     tp = import_main_job()
-    metrics = tp.main(["--model", "full", "--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])
+    metrics = tp.main(["--epochs", "1", "--max-train-windows", "256", "--out", str(tmp_path)])  # no --model
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["args"]["model"] == "full" and saved["args"]["embed_dim"] == 4
@@ -290,8 +290,8 @@ def test_main_job_full_rejects_bad_arguments(tmp_path):
         tp.main(["--model", "full", "--vsn-out", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         tp.main(["--model", "v1", "--out", str(tmp_path)])
-    assert tp.parse_args([]).model == "v0" and tp.parse_args([]).embed_dim == 2
-    assert tp.parse_args(["--model", "full"]).embed_dim == 4
+    assert tp.parse_args([]).model == "full" and tp.parse_args([]).embed_dim == 4
+    assert tp.parse_args(["--model", "v0"]).embed_dim == 2
     assert tp.parse_args(["--model", "full", "--embed-dim", "3"]).embed_dim == 3
 
 
