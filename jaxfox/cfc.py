@@ -127,10 +127,44 @@ class _Config(NamedTuple):
     mode: str
 
 
-def _config(params, input_size, mode) -> _Config:
+def _config(params, input_size, mode, input_name="xs") -> _Config:
+    """Checks params against the mode and an input of width ``input_size``. When params are consistent with
+    the mode but for another input width, the error names the input (``input_name``), not the params."""
+    try:
+        return _check_config(params, input_size, mode)
+    except ValueError:
+        own = _params_input_size(params, mode)
+        if own is not None and own != input_size:
+            try:
+                _check_config(params, own, mode)
+            except (ValueError, TypeError):
+                pass
+            else:
+                raise ValueError(f"{input_name} must have last dimension I = {own} (the input_size of params), "
+                                 f"got I = {input_size}") from None
+        raise
+
+
+def _params_input_size(params, mode):
+    """I that params were made for (their first fan-in is I + H), or None when they are malformed."""
+    try:
+        hw = params["heads_w"]
+        n_heads = 1 if mode == "pure" else 4
+        H = hw.shape[1] // n_heads
+        first = params["backbone"][0]["w"] if params.get("backbone") else hw
+        own = int(first.shape[0]) - H
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+    return own if own > 0 else None
+
+
+def _check_config(params, input_size, mode) -> _Config:
     _check_mode(mode)
     if not isinstance(params, dict) or "heads_w" not in params or "heads_b" not in params:
         raise ValueError("params must be the dict returned by cfc_init (keys 'backbone', 'heads_w', 'heads_b')")
+    if mode != "pure" and ("w_tau" in params or "A" in params):
+        raise ValueError(f"params has the keys 'w_tau' and 'A' of mode 'pure' (made by cfc_init(mode='pure')), "
+                         f"but mode is {mode!r}")
     backbone = params.get("backbone", [])
     n_heads = 1 if mode == "pure" else 4
     hw = params["heads_w"]
@@ -358,6 +392,7 @@ def cfc_cell(params, h, x, ts=1.0, *, mode="default"):
     if not hasattr(h, "shape") or len(h.shape) != 2:
         raise ValueError(f"h must have shape [B, H], got {getattr(h, 'shape', type(h).__name__)}")
     B = x.shape[0]
+    _config(params, x.shape[1], mode, input_name="x")
     if hasattr(ts, "shape") and tuple(ts.shape) not in ((), (B,)):
         raise ValueError(f"ts must be a scalar or [B]={B} for cfc_cell, got shape {tuple(ts.shape)}")
     _check_array("h", h, (B, None))

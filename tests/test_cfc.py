@@ -261,7 +261,9 @@ def _bad_call_cases():
         ("ts_int", dict(ts=np.ones((B,), np.int32)), TypeError, "ts"),
         ("ts_str", dict(ts="1.0"), TypeError, "ts"),
         ("mode_unknown", dict(mode="lstm"), ValueError, "mode"),
-        ("xs_width", dict(xs=np.zeros((B, T, I + 1), np.float32)), ValueError, "params"),
+        # the params are fine: the error names xs and the width the params were made for
+        ("xs_width", dict(xs=np.zeros((B, T, I + 1), np.float32)), ValueError,
+         r"xs must have last dimension I = 5 \(the input_size of params\), got I = 6"),
     ]
 
 
@@ -286,6 +288,17 @@ def test_params_mode_mismatch(L):
                 cfc_scan(params, xs, mode=call_mode)
             with pytest.raises(ValueError, match="params"):
                 cfc_cell(params, jnp.zeros((2, H)), xs[:, 0], mode=call_mode)
+
+
+@pytest.mark.parametrize("L", LAYERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_input_width_error_names_the_input(L, mode):
+    params = cfc_init(jax.random.key(0), 5, 8, backbone_units=9, backbone_layers=L, mode=mode)
+    with pytest.raises(ValueError, match=r"^xs must have last dimension I = 5 \(the input_size of params\), got I = 6"):
+        cfc_scan(params, jnp.zeros((2, 3, 6)), mode=mode)
+    with pytest.raises(ValueError, match=r"^x must have last dimension I = 5 \(the input_size of params\), got I = 4"):
+        cfc_cell(params, jnp.zeros((2, 8)), jnp.zeros((2, 4)), mode=mode)
+    assert cfc_cell(params, jnp.zeros((2, 8)), jnp.zeros((2, 5)), mode=mode).shape == (2, 8)
 
 
 def test_bad_params():
