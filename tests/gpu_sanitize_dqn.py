@@ -17,6 +17,8 @@ import os
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# one cudaMalloc per buffer (not XLA's pool), so that memcheck sees a read or write just past a buffer's end
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 

@@ -19,6 +19,8 @@ import os
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# one cudaMalloc per buffer (not XLA's pool), so that memcheck sees a read or write just past a buffer's end
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 os.environ["JAXFOX_OPT_IN_KERNELS"] = ",".join(
     [n for n in os.environ.get("JAXFOX_OPT_IN_KERNELS", "").split(",") if n] + ["adamw"])
 if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):

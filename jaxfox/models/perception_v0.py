@@ -37,9 +37,10 @@ __all__ = [
 
 
 DEFAULTS = {"hidden": 32, "embed_dim": 2, "backbone_units": 64, "lr": 1e-3, "weight_decay": 1.0}
-"""Defaults of :func:`make_model` / :func:`make_optimizer`, the main job and :func:`benchmark_step`: chosen by
-validation AUC (2013-2015) of the main job (examples/train_perception.py, with its input noise 0.6, 15 epochs,
-batch 32) over 6 seeds; larger models (H = 64, d = 4, U = 128) and lower rates scored lower on validation."""
+"""Defaults of :func:`make_model` / :func:`make_optimizer`, the main job's ``--model v0`` and
+:func:`benchmark_step`: chosen by validation AUC (2013-2015) of the main job (examples/train_perception.py
+--model v0, with its input noise 0.6, 15 epochs, batch 32) over 6 seeds; larger models (H = 64, d = 4,
+U = 128) and lower rates scored lower on validation."""
 
 
 def check_window_batch(x, num_features: int) -> None:
@@ -190,10 +191,10 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
                    seed: int = 0, mesh=None):
     """A whole training step as a pure function, for the benchmark harness (which jits and loops it).
 
-    The model and optimizer are the main job's (:data:`DEFAULTS`); the main job also adds input noise to
-    each batch on the host, which is not part of this step. The step is data parallel over ``mesh``
+    The model and optimizer are the main job's ``--model v0`` (:data:`DEFAULTS`); the main job also adds input
+    noise to each batch on the host, which is not part of this step. The step is data parallel over ``mesh``
     (default: all local devices; see :func:`data_parallel_step`): the batch is placed split over the mesh's
-    "batch" axis and the state replicated, so ``batch`` is the global batch (divisible by the mesh size).
+    batch axis (:func:`jaxfox.sharding.batch_axis`) and the state replicated, so ``batch`` is the global batch (divisible by the mesh size).
 
     Returns:
       ``(step_fn, state, batch)``: ``step_fn(state, batch) -> (state, loss)`` is un-jitted and pure;
