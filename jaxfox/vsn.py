@@ -102,15 +102,25 @@ def _vsn_sizes(params):
 # ----------------------------------------------------------------------------------------------
 # Reference (pure JAX).
 def _grn_stacked_reference(p, x, eps):
-    """m GRNs with stacked params (leading m) on x [..., m, I] -> [..., m, O], float32."""
+    """m GRNs with stacked params (leading m) on x [..., m, I] -> [..., m, O], float32.
+
+    Computed variable-major ([m, R, .] with R the flattened leading dims): one transpose in and one out,
+    and every product a matmul batched over m. (The row-major einsum form had XLA transpose around each of
+    the five products; on the 2-core CPU this form is 3.7x faster forward and 2.9x forward + backward at
+    R = 2048, m = 48, I = 4, H = O = 32.)"""
     x = x.astype(jnp.float32)
-    h2 = jnp.einsum("...mi,mih->...mh", x, p["w2"]) + p["b2"]
-    eta2 = jax.nn.elu(h2)
-    eta1 = jnp.einsum("...mh,mhk->...mk", eta2, p["w1"]) + p["b1"]
-    g4 = jnp.einsum("...mh,mho->...mo", eta1, p["w4"]) + p["b4"]
-    g5 = jnp.einsum("...mh,mho->...mo", eta1, p["w5"]) + p["b5"]
-    skip = jnp.einsum("...mi,mio->...mo", x, p["skip_w"]) + p["skip_b"] if "skip_w" in p else x
-    return layer_norm(skip + g4 * jax.nn.sigmoid(g5), p["gamma"], p["beta"], eps)
+    *lead, m, i = x.shape
+    xt = jnp.moveaxis(x.reshape(-1, m, i), 1, 0)                                   # [m, R, I]
+
+    def dense(a, w, b):  # a [m, R, K] @ w [m, K, N] + b [m, N]
+        return jnp.matmul(a, p[w]) + p[b][:, None, :]
+
+    eta2 = jax.nn.elu(dense(xt, "w2", "b2"))
+    eta1 = dense(eta2, "w1", "b1")
+    glu = dense(eta1, "w4", "b4") * jax.nn.sigmoid(dense(eta1, "w5", "b5"))
+    skip = dense(xt, "skip_w", "skip_b") if "skip_w" in p else xt
+    y = layer_norm(skip + glu, p["gamma"][:, None, :], p["beta"][:, None, :], eps)   # [m, R, O]
+    return jnp.moveaxis(y, 0, 1).reshape(*lead, m, y.shape[-1])
 
 
 def _vsn_reference(params, xs, c, eps):
