@@ -340,6 +340,13 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         if not isinstance(state, FusedAdamWState):
             raise TypeError(f"state must be a FusedAdamWState (from init), got {type(state).__name__}")
 
+    def step_scalars(count):
+        """(count + 1, bias corrections 1 - b1^(count+1), 1 - b2^(count+1), -lr(count)): the scalar part of a
+        step, shared by the reference and the kernel path so that both use the same bits."""
+        count_inc = optax.safe_increment(count)
+        lr_neg = -learning_rate(count) if callable(learning_rate) else -1 * learning_rate
+        return count_inc, 1 - b1 ** count_inc, 1 - b2 ** count_inc, lr_neg
+
     def update_fn(updates, state, params=None):
         check(updates, state, params, "update")
         g = updates
@@ -351,9 +358,7 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         # optax.scale_by_adam (eps_root = 0, nesterov = False), same expressions and order.
         mu = jax.tree.map(lambda t, m: (1 - b1) * (t ** 1) + b1 * m, g, state.mu)
         nu = jax.tree.map(lambda t, v: (1 - b2) * (t ** 2) + b2 * v, g, state.nu)
-        count_inc = optax.safe_increment(state.count)
-        bc1 = 1 - b1 ** count_inc
-        bc2 = 1 - b2 ** count_inc
+        count_inc, bc1, bc2, step = step_scalars(state.count)
         u = jax.tree.map(lambda m, v: (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype)) + eps), mu, nu)
         # optax.add_decayed_weights under optax.masked.
         if weight_decay != 0.0:
@@ -362,10 +367,8 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
                              (x if m is False else jnp.where(m, x + weight_decay * p, x)), u, params, dmask)
         # optax.scale_by_learning_rate.
         if callable(learning_rate):
-            step = -learning_rate(state.count)
             u = jax.tree.map(lambda x: jnp.array(step, dtype=x.dtype) * x, u)
         else:
-            step = -1 * learning_rate
             u = jax.tree.map(lambda x: step * x, u)
         return u, FusedAdamWState(count=count_inc, mu=mu, nu=nu)
 
@@ -377,10 +380,7 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         """ffi/optim.cu jaxfox_adamw_apply on the flat buffers; the scalar work (bias corrections, the
         learning rate) is the reference's own expressions, in JAX."""
         P = params.layout.size
-        count_inc = optax.safe_increment(state.count)
-        bc1 = 1 - b1 ** count_inc
-        bc2 = 1 - b2 ** count_inc
-        lr_neg = -learning_rate(state.count) if callable(learning_rate) else -1 * learning_rate
+        count_inc, bc1, bc2, lr_neg = step_scalars(state.count)
         scalars = jnp.stack([jnp.asarray(lr_neg, jnp.float32), bc1.astype(jnp.float32), bc2.astype(jnp.float32)])
         mask_mode, mask_arr = 0, jnp.zeros((0,), jnp.bool_)
         if weight_decay != 0.0:
