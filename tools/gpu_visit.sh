@@ -5,9 +5,12 @@
 #
 #   bash tools/gpu_visit.sh build test:optim sanitize:optim bench:adamw,copy
 #
-# Phases: build | test:<module,...> (tests/test_gpu_<module>.py under `pytest -m gpu`) |
+# Phases: build (sm_90 only, all cores) | test:<module,...> (tests/test_gpu_<module>.py under `pytest -m gpu`;
+#         a module may be `cfc::test_name` to run one test) |
 #         sanitize:<name,...> (memcheck, then racecheck, of tests/gpu_sanitize_<name>.py; `sanitize:` alone
-#         is tests/gpu_sanitize.py) | bench:<op,...> (python -m jaxfox.bench --ops ... --repeats 3).
+#         is tests/gpu_sanitize.py) | bench:<op,...> (python -m jaxfox.bench --ops ... --repeats 3) |
+#         job:<epochs> (the main job, examples/train_perception.py, with kernels, then JAXFOX_DISABLE_KERNELS=1;
+#         needs the arch wheel in .whl).
 # Output (the device tool returns at most 8 files): $OUT/visit.log (every phase's output, one after the
 # other), $OUT/summary.log (one line per phase) and $OUT/bench_<ops>.json per bench phase.
 # Wheels that the machine lacks (arch, ...) travel in .whl (see the device tool's README) and are installed
@@ -40,10 +43,13 @@ for phase in "$@"; do
   t0=$(date +%s)
   case "$name" in
     build)
-      timeout "$(left)" python3 -m pip install --no-build-isolation --no-deps -e . >>"$log" 2>&1 \
+      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
+        timeout "$(left)" python3 -m pip install --no-build-isolation --no-deps -e . >>"$log" 2>&1 \
         && (cd /tmp && python3 -c "import jaxfox; assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason(); print('kernels available')") >>"$log" 2>&1 ;;
     test)
-      files=(); for m in ${arg//,/ }; do files+=("$repo/tests/test_gpu_${m}.py"); done
+      files=(); for m in ${arg//,/ }; do
+        case "$m" in *::*) files+=("$repo/tests/test_gpu_${m%%::*}.py::${m#*::}") ;; *) files+=("$repo/tests/test_gpu_${m}.py") ;; esac
+      done
       (cd /tmp && timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$repo" "${files[@]}") >>"$log" 2>&1 ;;
     sanitize)
       rc=0
@@ -61,6 +67,10 @@ for phase in "$@"; do
       [ "$rc" = 0 ] ;;
     bench)
       (cd /tmp && timeout "$(left)" python3 -m jaxfox.bench --ops "$arg" --repeats 3 --json "$OUT/bench_${arg//,/_}.json") >>"$log" 2>&1 ;;
+    job)
+      (cd "$repo" && export TQDM_DISABLE=1 && timeout "$(left)" python3 examples/train_perception.py --epochs "${arg:-3}" --out /tmp/job-kernels \
+        && JAXFOX_DISABLE_KERNELS=1 timeout "$(left)" python3 examples/train_perception.py --epochs "${arg:-3}" --out /tmp/job-ref) \
+        >>"$log" 2>&1 ;;
     *) echo "unknown phase $phase" >>"$log"; false ;;
   esac
   rc=$?
