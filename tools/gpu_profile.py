@@ -1,39 +1,85 @@
-"""Times the CfC kernels at the benchmark shape: forward only and forward+backward (in-graph loop)."""
-import os, sys, time
-import numpy as np
-import jax, jax.numpy as jnp
+"""Where a jitted step's device time goes: each kernel's total time per step, from a jax.profiler trace.
+
+    python3 tools/gpu_profile.py perception [--steps 50] [--top 25]
+    python3 tools/gpu_profile.py perception_v0
+
+Runs the step of ``jaxfox.models.<module>.benchmark_step`` (the bench's ``perception_step`` rows) on the
+kernel path and under ``jaxfox.use_reference()``, traces ``--steps`` calls of each after a warm-up, and
+prints, per path, the device kernels by total time per step (the GPU planes of the XSpace that
+``jax.profiler.trace`` writes, read with ``jax.profiler.ProfileData``). A diagnosis tool for GPU visits,
+not a benchmark: the profiler adds its own cost, so compare shares, and time with ``python -m jaxfox.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib
+import os
+import tempfile
+
+import jax
+
 import jaxfox
-from jaxfox import cfc_scan, cfc_init
 
-B, T, I, H, U = [int(v) for v in (sys.argv[1:6] if len(sys.argv) > 5 else (32, 256, 48, 128, 128))]
-p = cfc_init(jax.random.key(0), I, H, backbone_units=U)
-xs = jax.random.normal(jax.random.key(1), (B, T, I))
-N = 20
 
-def fwd_body(i, c):
-    return c + cfc_scan(p, xs * (1 + 0 * c))[0, -1, 0]
+def _kernel_times(trace_dir):
+    """{kernel name: (total us, count)} over the device planes of the newest .xplane.pb under trace_dir."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise RuntimeError(f"no .xplane.pb under {trace_dir}")
+    data = jax.profiler.ProfileData.from_file(files[-1])
+    out = collections.defaultdict(lambda: [0.0, 0])
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
+                continue
+            for ev in line.events:
+                rec = out[ev.name]
+                rec[0] += ev.duration_ns / 1e3
+                rec[1] += 1
+    return out
 
-def fb_body(i, c):
-    g = jax.grad(lambda p, xs: jnp.sum(cfc_scan(p, xs) ** 2), argnums=(0, 1))(p, xs * (1 + 0 * c))
-    return c + g[1][0, 0, 0]
 
-def timed(body, ref):
-    import contextlib
-    with (jaxfox.use_reference() if ref else contextlib.nullcontext()):
-        f = jax.jit(lambda: jax.lax.fori_loop(0, N, body, 0.0))
-        f().block_until_ready()
-        ts = []
-        for _ in range(7):
-            t0 = time.perf_counter(); f().block_until_ready(); ts.append((time.perf_counter() - t0) / N)
-    return np.median(ts) * 1e3
-
-tag = os.environ.get("JAXFOX_CFC_CLUSTER", "auto")
-if len(sys.argv) > 6 and sys.argv[6] == "once":
-    g = jax.jit(jax.grad(lambda p, xs: jnp.sum(cfc_scan(p, xs) ** 2), argnums=(0, 1)))
+def profile(step_fn, state, batch, steps):
+    f = jax.jit(step_fn)
     for _ in range(3):
-        jax.block_until_ready(g(p, xs))
-    sys.exit(0)
-print(f"cluster={tag} B={B} T={T}: fwd kernel {timed(fwd_body, False):.3f} ms | fwd+bwd kernel {timed(fb_body, False):.3f} ms",
-      flush=True)
-if tag == "auto":
-    print(f"  reference: fwd {timed(fwd_body, True):.3f} ms | fwd+bwd {timed(fb_body, True):.3f} ms", flush=True)
+        state, loss = f(state, batch)
+    jax.block_until_ready(loss)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                state, loss = f(state, batch)
+            jax.block_until_ready(loss)
+        return _kernel_times(d)
+
+
+def report(title, times, steps, top):
+    total = sum(t for t, _ in times.values())
+    print(f"\n== {title}: {total / steps:.1f} us of kernels per step, {sum(c for _, c in times.values()) / steps:.0f} "
+          f"kernel launches per step")
+    for name, (t, c) in sorted(times.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{t / steps:9.1f} us {100 * t / max(total, 1e-9):5.1f}%  x{c / steps:4.1f}  {name[:110]}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("module", help="jaxfox.models.<module> with a benchmark_step (perception, perception_v0)")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    make = importlib.import_module(f"jaxfox.models.{args.module}").benchmark_step
+    one = jaxfox.sharding.batch_mesh(jax.local_devices()[:1])
+    print(f"kernels available: {jaxfox.kernels_available()}")
+    step_fn, state, batch = make(mesh=one)
+    report(f"{args.module}, jaxfox path", profile(step_fn, state, batch, args.steps), args.steps, args.top)
+    with jaxfox.use_reference():
+        step_fn, state, batch = make(mesh=one)
+        report(f"{args.module}, reference path", profile(step_fn, state, batch, args.steps), args.steps, args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -192,6 +192,94 @@ def attention_pool_case(size: str) -> list[Variant]:
 
 
 # ----------------------------------------------------------------------------------------------
+def _grn_matmul_flops(R, I, H, O):
+    """Forward matmul FLOPs of one GRN without context on R rows: 2 R (I H + H H + 2 H O [+ I O])."""
+    return 2.0 * R * (I * H + H * H + 2 * H * O + (I * O if I != O else 0))
+
+
+@register("grn")
+def grn_case(size: str) -> list[Variant]:
+    """jaxfox.grn forward+backward (value_and_grad of sum(y * w) w.r.t. params and a), no context.
+
+    a [R, I] float32 with I = Hd = O = 128 (16 small), so the skip is the identity; rows
+    R = B x T = 2048 and 16384 by default (64 small). FLOPs are the matmuls only: forward
+    2 R (I Hd + Hd Hd + 2 Hd O); forward+backward counted as 3x.
+    The GRN kernels (ffi/grn.cu) are currently not in the package (``jaxfox.grn._KERNELS_ENABLED``
+    is False): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
+    (on a GPU the harness also warns that the jaxfox path compiled without an FFI call).
+    """
+    import jaxfox
+
+    I = H = O = 16 if size == "small" else 128
+    out = []
+    for B, T in _ROW_SHAPES[size]:
+        R = B * T
+
+        def setup(R=R):
+            params = jaxfox.grn_init(jax.random.key(70), I, H, O)
+            a, w = _normal(71, (R, I)), _normal(72, (O,))
+
+            def builder():
+                def op(params, a):
+                    def loss(p, x):
+                        return jnp.sum(jaxfox.grn(p, x) * w)
+
+                    return jax.value_and_grad(loss, argnums=(0, 1))(params, a)
+
+                return op
+
+            return CaseSpec(builder, None, (params, a), None, 3.0 * _grn_matmul_flops(R, I, H, O))
+
+        out.append(Variant("grn", f"fwd+bwd R={R} I=H=O={I}", setup,
+                           params={"R": R, "B": B, "T": T, "I": I, "H": H, "O": O}))
+    return out
+
+
+@register("vsn")
+def vsn_case(size: str) -> list[Variant]:
+    """jaxfox.vsn forward+backward (value_and_grad of sum(out * w) w.r.t. params and xs), no context.
+
+    xs [R, m, d] float32 with m = 48 variables of width d = 16, hidden Hd = 128, output O = 128
+    (m = 4, d = 4, Hd = O = 16 small); rows R = 2048 and 16384 by default (64 small). The loss
+    reaches the selection weights through out. FLOPs are the matmuls only: the selection GRN
+    (input m d, output m, Dense skip) plus m per-variable GRNs (input d, output O, Dense skip);
+    forward+backward counted as 3x.
+    The VSN kernels (ffi/vsn.cu) are currently not in the package (``jaxfox.vsn._KERNELS_ENABLED``
+    is False): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
+    (on a GPU the harness also warns that the jaxfox path compiled without an FFI call).
+    """
+    import jaxfox
+
+    if size == "small":
+        m, d, H, O = 4, 4, 16, 16
+    else:
+        m, d, H, O = 48, 16, 128, 128
+    out = []
+    for B, T in _ROW_SHAPES[size]:
+        R = B * T
+
+        def setup(R=R):
+            params = jaxfox.vsn_init(jax.random.key(73), m, d, H, O)
+            xs, w = _normal(74, (R, m, d)), _normal(75, (O,))
+
+            def builder():
+                def op(params, xs):
+                    def loss(p, x):
+                        return jnp.sum(jaxfox.vsn(p, x)[0] * w)
+
+                    return jax.value_and_grad(loss, argnums=(0, 1))(params, xs)
+
+                return op
+
+            fwd = _grn_matmul_flops(R, m * d, H, m) + m * _grn_matmul_flops(R, d, H, O)
+            return CaseSpec(builder, None, (params, xs), None, 3.0 * fwd)
+
+        out.append(Variant("vsn", f"fwd+bwd R={R} m={m} d={d} H={H} O={O}", setup,
+                           params={"R": R, "B": B, "T": T, "m": m, "d": d, "H": H, "O": O}))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 _IQL_SHAPES = {"small": dict(B=256, D=32, H=16), "default": dict(B=16384, D=256, H=128),
                "large": dict(B=65536, D=256, H=128)}
 
