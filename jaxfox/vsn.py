@@ -14,35 +14,22 @@ so GRN_v uses a Dense skip unless d = 1, and GRN_j unless d = O). The m per-vari
 stacked parameters (leading axis m) and run as one batched computation. With m = 1 the weight is
 exactly 1.
 
-On CUDA (``ffi/vsn.cu``) the forward is GRN_v's fused kernel with a softmax epilogue plus one
-kernel that runs every tile of rows through the per-variable GRNs in shared memory and
-accumulates v_j xi~_j; the backward recomputes each variable's activations per tile (nothing of
-size [..., m, hidden] is stored) and reduces parameter-gradient partials with ``reduce_axis0``
-in a fixed order.
+The op is pure JAX, compiled by XLA, on every platform (CPU and GPU alike); gradients are JAX autodiff
+of it. jaxfox has no CUDA kernel for it: a fused VSN kernel was measured slower than XLA on the H200
+(BENCHMARKS.md, "2026-11-29 — attention_pool, GRN and VSN kernels": 0.35x at 2048 rows, 0.25x at
+16384, m = 48, d = 16, Hd = O = 128) and is not part of the package.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
 from jaxfox.grn import (
-    _check_context, _check_eps, _check_input, _common_dtype, _flatten, _grn_reference, _grn_sizes,
-    _best_split, _layout, _Layout, _MAX_PARTIAL_FLOATS, _positive_int, _smem_bytes, _tile_rows, _transpose_flat, _wave,
-    grn_init,
+    _check_context, _check_eps, _check_input, _common_dtype, _grn_reference, _grn_sizes, _positive_int, grn_init,
     layer_norm,
 )
-from jaxfox.reduce import reduce_chunks
-
-# The CUDA kernels for this op (ffi/grn.cu, ffi/vsn.cu) are not part of the package yet: on the H200
-# they were slower than XLA (BENCHMARKS.md) and their GPU tests have not all passed. Until then every
-# platform runs the reference implementation below.
-_KERNELS_ENABLED = False
 
 __all__ = ["vsn_init", "vsn"]
 
@@ -100,7 +87,7 @@ def _vsn_sizes(params):
 
 
 # ----------------------------------------------------------------------------------------------
-# Reference (pure JAX).
+# Implementation (pure JAX).
 def _grn_stacked_reference(p, x, eps):
     """m GRNs with stacked params (leading m) on x [..., m, I] -> [..., m, O], float32.
 
@@ -134,110 +121,6 @@ def _vsn_reference(params, xs, c, eps):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel path: selection params as one flat vector (jaxfox.grn layout), the m variable GRNs as m
-# such vectors back to back ([m * Pv]).
-class _VsnCfg(NamedTuple):
-    sel: _Layout
-    var: _Layout
-    m: int
-    eps: float
-    tile_rows_sel: int
-    tile_rows_var: int
-    groups: int
-    chunks_sel: int
-    chunks_var: int
-
-
-def _vsn_config(m, d, H, O, C, R, eps):
-    if R == 0:
-        return None
-    sel, var = _layout(m * d, C, H, m), _layout(d, 0, H, O)
-    TRs = _tile_rows(sel, R, ("fwd", "bwd"))
-    # Per-variable kernels: 32-row tiles whenever they fit (each tile reads every variable's
-    # weights from L2 and, backward, updates its gradient partial there: per row, half the
-    # traffic of 16-row tiles); parallelism comes from the variable axis.
-    TRv = _tile_rows(var, R, ("fwd_var", "bwd"), min_rows_for_32=0)
-    if TRs is None or TRv is None:
-        return None
-    tiles_s, tiles_v = -(-R // TRs), -(-R // TRv)
-    # forward: grid (row tiles, groups of variables); time ~ waves x variables per block
-    groups = _best_split(m, tiles_v, _wave(_smem_bytes(var, TRv, "fwd_var")))
-    chunks_sel = _best_split(tiles_s, 1, _wave(_smem_bytes(sel, TRs, "bwd")), _MAX_PARTIAL_FLOATS // sel.P)
-    # backward: grid (row chunks, variables); time ~ waves x tiles per block
-    chunks_var = _best_split(tiles_v, m, _wave(_smem_bytes(var, TRv, "bwd")), _MAX_PARTIAL_FLOATS // (m * var.P))
-    return _VsnCfg(sel, var, m, eps, TRs, TRv, groups, chunks_sel, chunks_var)
-
-
-def _flatten_vars(lay, p):
-    return jax.vmap(lambda q: _flatten(lay, q))(p).reshape(-1)
-
-
-def _vsn_attrs(cfg):
-    return dict(num_vars=np.int64(cfg.m), var_size=np.int64(cfg.var.I), hidden_size=np.int64(cfg.var.H),
-                output_size=np.int64(cfg.var.O), context_size=np.int64(cfg.sel.C),
-                tile_rows_sel=np.int64(cfg.tile_rows_sel), tile_rows_var=np.int64(cfg.tile_rows_var),
-                eps=np.float32(cfg.eps))
-
-
-def _vsn_fwd_call(cfg, wsel, wvar, xs, c):
-    R, f32 = xs.shape[0], jnp.float32
-    sel, var = cfg.sel, cfg.var
-    G = cfg.groups
-    out = (jax.ShapeDtypeStruct((R, var.O), f32),               # out
-           jax.ShapeDtypeStruct((R, cfg.m), f32),               # weights v
-           jax.ShapeDtypeStruct((R, sel.H4), f32),              # GRN_v eta2
-           jax.ShapeDtypeStruct((R, sel.H4), f32),              # GRN_v eta1
-           jax.ShapeDtypeStruct((R, 2 * sel.O4), f32),          # GRN_v g
-           jax.ShapeDtypeStruct((R, sel.O4), f32),              # GRN_v xhat
-           jax.ShapeDtypeStruct((R,), f32),                     # GRN_v rstd
-           jax.ShapeDtypeStruct((G * R * var.O if G > 1 else 0,), f32))  # workspace: group sums
-    return _ffi_call("jaxfox_vsn_fwd", out, vmap_method="broadcast_all")(
-        wsel, wvar, xs, c, groups=np.int64(G), **_vsn_attrs(cfg))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _vsn_kernel(cfg, wsel, wvar, xs, c):
-    out, v, *_ = _vsn_fwd_call(cfg, wsel, wvar, xs, c)
-    return out, v
-
-
-def _vsn_kernel_fwd(cfg, wsel, wvar, xs, c):
-    out, v, eta2, eta1, g, xhat, rstd, _ = _vsn_fwd_call(cfg, wsel, wvar, xs, c)
-    return (out, v), (wsel, wvar, xs, c, v, eta2, eta1, g, xhat, rstd)
-
-
-def _vsn_kernel_bwd(cfg, res, cts):
-    wsel, wvar, xs, c, v, eta2, eta1, g, xhat, rstd = res
-    dout, dv = cts
-    sel, var, m = cfg.sel, cfg.var, cfg.m
-    R, f32 = xs.shape[0], jnp.float32
-    Ps, Pv = sel.P, m * var.P
-    Ss, Sv = cfg.chunks_sel, cfg.chunks_var
-    rcs, rcv = reduce_chunks(Ss, Ps), reduce_chunks(Sv, Pv)
-    wsel_t = _transpose_flat(sel, wsel)
-    wvar_t = jax.vmap(lambda q: _transpose_flat(var, q))(wvar.reshape(m, var.P)).reshape(-1)
-    bf16 = xs.dtype == jnp.bfloat16
-    out = (jax.ShapeDtypeStruct((Ps,), f32),                              # dw_sel
-           jax.ShapeDtypeStruct((Pv,), f32),                              # dw_var
-           jax.ShapeDtypeStruct(xs.shape, xs.dtype),                      # dxs
-           jax.ShapeDtypeStruct(c.shape, c.dtype),                        # dc
-           jax.ShapeDtypeStruct((R, m), f32),                             # workspace: <dout, y_j>
-           jax.ShapeDtypeStruct((R * xs.shape[1] if bf16 else 0,), f32),  # workspace: float32 dxs
-           jax.ShapeDtypeStruct((Ss, Ps), f32),                           # workspace: partials (sel)
-           jax.ShapeDtypeStruct((Sv, Pv), f32),                           # workspace: partials (var)
-           jax.ShapeDtypeStruct((rcs * Ps if rcs > 1 else 0,), f32),      # workspace: reduce (sel)
-           jax.ShapeDtypeStruct((rcv * Pv if rcv > 1 else 0,), f32))      # workspace: reduce (var)
-    dwsel, dwvar, dxs, dc, *_ = _ffi_call("jaxfox_vsn_bwd", out, vmap_method="broadcast_all")(
-        wsel, wsel_t, wvar, wvar_t, xs, c, v, eta2, eta1, g, xhat, rstd, dout.astype(f32), dv.astype(f32),
-        chunks_sel=np.int64(Ss), chunks_var=np.int64(Sv), reduce_chunks_sel=np.int64(rcs),
-        reduce_chunks_var=np.int64(rcv), **_vsn_attrs(cfg))
-    return psum_to_match((dwsel, dwvar, dxs, dc), (wsel, wvar, xs, c))
-
-
-_vsn_kernel.defvjp(_vsn_kernel_fwd, _vsn_kernel_bwd)
-
-
-# ----------------------------------------------------------------------------------------------
 def vsn(params, xs, context=None, *, eps=1e-5):
     """Variable selection network: xs [..., m, d] -> (out [..., O], weights [..., m]), float32.
 
@@ -258,8 +141,8 @@ def vsn(params, xs, context=None, *, eps=1e-5):
       bfloat16 inputs: float32 products, accumulation and statistics, float32 outputs; the
       gradient with respect to bfloat16 xs is the float32 gradient rounded once.
 
-    Differentiable in params, xs and context (custom_vjp over the CUDA kernels; autodiff of the
-    reference elsewhere).
+    Differentiable in params, xs and context (JAX autodiff). Pure JAX (XLA) on every platform:
+    there is no CUDA kernel for this op (module docstring).
 
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, eps not a number.
@@ -273,18 +156,6 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     context = _check_context(context, C, lead, "params['selection']")
     xs, context = _common_dtype(xs, context)
     R = int(np.prod(lead, dtype=np.int64))
-    cfg = _vsn_config(m, d, H, O, C, R, eps)
-    c2 = (jnp.broadcast_to(context, lead + (C,)).reshape(R, C) if C else jnp.zeros((R, 0), xs.dtype))
-
-    def reference(params, xs, c2):
-        out, v = _vsn_reference(params, xs, c2 if C else None, eps)
-        return out.reshape(-1, O), v.reshape(-1, m)  # -1: the local rows under shard_map
-
-    def kernel(params, xs, c2):
-        return _vsn_kernel(cfg, _flatten(cfg.sel, params["selection"]), _flatten_vars(cfg.var, params["variables"]),
-                           xs.reshape(xs.shape[0], m * d), c2)
-
-    xs_r = xs.reshape((R, m, d))
-    use_kernel = cfg is not None and _KERNELS_ENABLED
-    out, v = dispatch(kernel if use_kernel else reference, reference, params, xs_r, c2, batch=(False, True, True))
+    c2 = jnp.broadcast_to(context, lead + (C,)).reshape(R, C) if C else None
+    out, v = _vsn_reference(params, xs.reshape((R, m, d)), c2, eps)
     return out.reshape(lead + (O,)), v.reshape(lead + (m,))

@@ -4,18 +4,11 @@ Oracle: ``np_vsn`` below, float64 NumPy written from OPS.md "GRN, GLU, VSN" (TFT
 selection GRN on the flattened variables, a softmax over the m variables, one GRN per variable,
 the weighted sum. It reuses only the float64 GRN oracle of test_grn.py (itself independent of the
 library). Gradients are checked against float64 central differences of it.
-
-The kernel path's host side is checked as in test_grn.py: ``kernel_path`` answers the
-``jaxfox_vsn_fwd`` / ``jaxfox_vsn_bwd`` FFI calls with a float64 NumPy transcription of what
-ffi/vsn.cu computes (selection GRN with softmax, per-variable GRNs, weighted sum; backward through
-<dout, y_j>, the softmax and both GRNs), reading the flat parameter vectors through the documented
-layout. The CUDA code itself is tested in test_gpu_grn_vsn.py.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 
 import jax
@@ -25,14 +18,8 @@ import pytest
 from jax.test_util import check_grads
 
 from conftest import assert_raises_naming as _bad, rel_err
-import jaxfox
 from jaxfox import vsn, vsn_init
-from test_grn import (
-    assert_f32_close, assert_tree_close, fd_grads, flat_layout, grn_backward_f64, grn_forward_f64,
-    make_kernel_path, np_grn, unpack_flat,
-)
-
-vsn_mod = importlib.import_module("jaxfox.vsn")  # the module (jaxfox.vsn is the function)
+from test_grn import assert_f32_close, assert_tree_close, fd_grads, np_grn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,170 +229,3 @@ def test_zero_rows():
     p = random_vsn_params(3, 2, 4, 5)
     out, w = vsn(p, jnp.zeros((0, 7, 3, 2)))
     assert out.shape == (0, 7, 5) and w.shape == (0, 7, 3)
-
-
-# ----------------------------------------------------------------------------------------------
-# Host side of the kernel path, through a float64 NumPy transcription of ffi/vsn.cu.
-def _sizes(num_vars, var_size, hidden_size, output_size, context_size):
-    m, d, H, O, C = num_vars, var_size, hidden_size, output_size, context_size
-    return m, d, H, O, C, (m * d, C, H, m), (d, 0, H, O)
-
-
-def emu_vsn_fwd(w_sel, w_var, xs, c, *, num_vars, var_size, hidden_size, output_size, context_size,
-                tile_rows_sel, tile_rows_var, groups, eps):
-    m, d, H, O, C, sel, var = _sizes(num_vars, var_size, hidden_size, output_size, context_size)
-    lead = xs.shape[:-2]
-    R = xs.shape[-2]
-    assert xs.shape[-1] == m * d and c.shape == lead + (R, C) and xs.dtype == c.dtype
-    assert tile_rows_sel in (16, 32) and tile_rows_var in (16, 32)
-    vpg = -(-m // groups)
-    assert 1 <= groups <= m and -(-m // vpg) == groups
-    _, Ps, (_, _, H4s, O4s, _) = flat_layout(*sel)
-    _, Pv, _ = flat_layout(*var)
-    V = int(np.prod(lead, dtype=np.int64))
-    assert w_sel.shape == lead + (Ps,) and w_var.shape == lead + (m * Pv,)
-    xx = np.asarray(xs, np.float64).reshape(V, R, m, d)
-    cc = np.asarray(c, np.float64).reshape(V, R, C)
-    outs = [np.zeros((V, R) + s) for s in ((O,), (m,), (H4s,), (H4s,), (2 * O4s,), (O4s,), ())]
-    for v in range(V):
-        Ws = unpack_flat(w_sel.reshape(V, Ps)[v], *sel)
-        logits, *saved = grn_forward_f64(Ws, xx[v].reshape(R, m * d), cc[v], *sel, float(eps))
-        wts = np_softmax(logits)
-        out = np.zeros((R, O))
-        for j in range(m):
-            Wj = unpack_flat(w_var.reshape(V, m, Pv)[v, j], *var)
-            out += wts[:, j:j + 1] * grn_forward_f64(Wj, xx[v][:, j], np.zeros((R, 0)), *var, float(eps))[0]
-        for o, r in zip(outs, [out, wts] + saved):
-            o[v] = r
-    f32 = np.float32
-    res = tuple(o.reshape(lead + o.shape[1:]).astype(f32) for o in outs)
-    return res + (np.zeros(lead + ((groups * R * O if groups > 1 else 0),), f32),)
-
-
-def emu_vsn_bwd(w_sel, w_sel_t, w_var, w_var_t, xs, c, weights, eta2, eta1, g, xhat, rstd, dout, dweights, *,
-                num_vars, var_size, hidden_size, output_size, context_size, tile_rows_sel, tile_rows_var,
-                chunks_sel, chunks_var, reduce_chunks_sel, reduce_chunks_var, eps):
-    m, d, H, O, C, sel, var = _sizes(num_vars, var_size, hidden_size, output_size, context_size)
-    lead = xs.shape[:-2]
-    R = xs.shape[-2]
-    _, Ps, (_, _, H4s, O4s, _) = flat_layout(*sel)
-    _, Pv, _ = flat_layout(*var)
-    for S, TR in ((chunks_sel, tile_rows_sel), (chunks_var, tile_rows_var)):
-        tiles = -(-R // TR)
-        assert 1 <= S <= tiles and -(-tiles // -(-tiles // S)) == S
-    assert reduce_chunks_sel == jaxfox.reduce.reduce_chunks(chunks_sel, Ps)
-    assert reduce_chunks_var == jaxfox.reduce.reduce_chunks(chunks_var, m * Pv)
-    V = int(np.prod(lead, dtype=np.int64))
-    sv = lambda x, *s: np.asarray(x, np.float64).reshape((V,) + s)  # noqa: E731
-    xx, cc = sv(xs, R, m, d), sv(c, R, C)
-    dws, dwv = np.zeros((V, Ps)), np.zeros((V, m * Pv))
-    dxs, dc = np.zeros((V, R, m, d)), np.zeros((V, R, C))
-    for v in range(V):
-        Ws = unpack_flat(w_sel.reshape(V, Ps)[v], *sel)
-        Wst = unpack_flat(w_sel_t.reshape(V, Ps)[v], *sel, transposed=True)
-        assert all(np.array_equal(Ws[k], Wst[k]) for k in Ws)
-        wts, do, dvw = sv(weights, R, m)[v], sv(dout, R, O)[v], sv(dweights, R, m)[v]
-        sdot = np.zeros((R, m))
-        for j in range(m):
-            Wj = unpack_flat(w_var.reshape(V, m, Pv)[v, j], *var)
-            Wjt = unpack_flat(w_var_t.reshape(V, m, Pv)[v, j], *var, transposed=True)
-            assert all(np.array_equal(Wj[k], Wjt[k]) for k in Wj)
-            y, *saved = grn_forward_f64(Wj, xx[v][:, j], np.zeros((R, 0)), *var, float(eps))
-            sdot[:, j] = np.sum(do * y, axis=1)
-            dflat, da, _ = grn_backward_f64(Wj, xx[v][:, j], np.zeros((R, 0)), *saved, wts[:, j:j + 1] * do, *var)
-            dwv[v, j * Pv:(j + 1) * Pv] = dflat
-            dxs[v][:, j] = da
-        gsum = dvw + sdot
-        dlogits = wts * (gsum - np.sum(wts * gsum, axis=1, keepdims=True))
-        dflat, da, dcv = grn_backward_f64(Ws, xx[v].reshape(R, m * d), cc[v], sv(eta2, R, H4s)[v], sv(eta1, R, H4s)[v],
-                                          sv(g, R, 2 * O4s)[v], sv(xhat, R, O4s)[v], sv(rstd, R)[v], dlogits, *sel)
-        dws[v] = dflat
-        dxs[v] += da.reshape(R, m, d)
-        dc[v] = dcv
-    f32 = np.float32
-    bf16 = xs.dtype != np.float32
-    return (dws.reshape(lead + (Ps,)).astype(f32), dwv.reshape(lead + (m * Pv,)).astype(f32),
-            dxs.reshape(xs.shape).astype(xs.dtype), dc.reshape(c.shape).astype(c.dtype),
-            np.zeros(lead + (R, m), f32), np.zeros(lead + ((R * m * d if bf16 else 0),), f32),
-            np.zeros(lead + (chunks_sel, Ps), f32), np.zeros(lead + (chunks_var, m * Pv), f32),
-            np.zeros(lead + ((reduce_chunks_sel * Ps if reduce_chunks_sel > 1 else 0),), f32),
-            np.zeros(lead + ((reduce_chunks_var * m * Pv if reduce_chunks_var > 1 else 0),), f32))
-
-
-@pytest.fixture
-def kernel_path(monkeypatch):
-    monkeypatch.setattr(vsn_mod, "_KERNELS_ENABLED", True)  # the kernels are not enabled in the package yet
-    return make_kernel_path(monkeypatch, vsn_mod, {"jaxfox_vsn_fwd": emu_vsn_fwd, "jaxfox_vsn_bwd": emu_vsn_bwd})
-
-
-@pytest.mark.parametrize("m,d,H,O,C,lead", [(3, 2, 5, 4, None, (4,)), (4, 3, 6, 3, 2, (2, 3)), (2, 4, 3, 4, None, (40,))])
-def test_kernel_path_wiring(kernel_path, m, d, H, O, C, lead):
-    p = random_vsn_params(m, d, H, O, C, seed=40 + m)
-    xs, c = _inputs(m, d, C, lead, seed=41)
-    out, w = _call(p, xs, c)
-    want_out, want_w = np_vsn(p, xs, c)
-    assert_f32_close(out, want_out)
-    assert_f32_close(w, want_w)
-    rng = np.random.default_rng(42)
-    r1 = rng.standard_normal(lead + (O,)).astype(np.float32)
-    r2 = rng.standard_normal(lead + (m,)).astype(np.float32)
-
-    def loss(*args):
-        o, wt = vsn(*args)
-        return jnp.sum(o * r1) + jnp.sum(wt * r2)
-
-    args = (p, jnp.asarray(xs)) + (() if c is None else (jnp.asarray(c),))
-    g = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
-    assert "jaxfox_vsn_fwd" in kernel_path and kernel_path.count("jaxfox_vsn_bwd") == 1
-
-    def np_loss(t):  # float64 truth (the emulation is float64 too, so the tolerance can be tight)
-        o, wt = np_vsn(t[0], t[1], t[2] if c is not None else None)
-        return float(np.sum(o * r1) + np.sum(wt * r2))
-
-    want = fd_grads(np_loss, (p, xs) + (() if c is None else (c,)))
-    assert_tree_close(g[0]["selection"], want[0]["selection"], 2e-5)
-    assert_tree_close(g[0]["variables"], want[0]["variables"], 2e-5)
-    for got, wnt in zip(g[1:], want[1:]):
-        assert_f32_close(got, wnt, 2e-5)
-
-
-def test_kernel_path_vmap_bf16_single_variable(kernel_path):
-    m, d, H, O, C = 3, 2, 4, 3, 2
-    ps = [random_vsn_params(m, d, H, O, C, seed=50 + s) for s in range(2)]
-    stacked = jax.tree.map(lambda *x: jnp.stack(x), *ps)
-    rng = np.random.default_rng(51)
-    xs = rng.standard_normal((2, 5, m, d)).astype(np.float32)
-    c = rng.standard_normal((2, 5, C)).astype(np.float32)
-    outs, ws = jax.vmap(vsn)(stacked, jnp.asarray(xs), jnp.asarray(c))
-    for s in range(2):
-        wo, ww = np_vsn(ps[s], xs[s], c[s])
-        assert_f32_close(outs[s], wo)
-        assert_f32_close(ws[s], ww)
-    r = rng.standard_normal((5, O)).astype(np.float32)
-    gv = jax.vmap(jax.grad(lambda q, x, z: jnp.sum(vsn(q, x, z)[0] * r)))(stacked, jnp.asarray(xs), jnp.asarray(c))
-    for s in range(2):
-        want = fd_grads(lambda t: float(np.sum(np_vsn(t, xs[s], c[s])[0] * r)), ps[s])
-        assert_tree_close({k: x[s] for k, x in gv["variables"].items()}, want["variables"], 1e-4)
-        assert_tree_close({k: x[s] for k, x in gv["selection"].items()}, want["selection"], 1e-4)
-    x16 = jnp.asarray(xs[0], jnp.bfloat16)
-    gx = jax.grad(lambda x: jnp.sum(vsn(ps[0], x, jnp.asarray(c[0], jnp.bfloat16))[0] * r))(x16)
-    assert gx.dtype == jnp.bfloat16
-    q = random_vsn_params(1, d, H, O, seed=52)
-    _, w1 = vsn(q, jnp.asarray(xs[0][:, :1]))
-    np.testing.assert_array_equal(np.asarray(w1), np.ones((5, 1), np.float32))
-
-
-def test_launch_configuration():
-    for R in (1, 100, 2048, 16384):
-        cfg = vsn_mod._vsn_config(48, 16, 128, 128, 0, R, 1e-5)
-        assert cfg is not None and cfg.tile_rows_var == 32
-        assert cfg == vsn_mod._vsn_config(48, 16, 128, 128, 0, R, 1e-5)
-        vpg = -(-48 // cfg.groups)
-        assert -(-48 // vpg) == cfg.groups
-        for S, TR in ((cfg.chunks_sel, cfg.tile_rows_sel), (cfg.chunks_var, cfg.tile_rows_var)):
-            tiles = -(-R // TR)
-            assert 1 <= S <= tiles and -(-tiles // -(-tiles // S)) == S
-    cfg = vsn_mod._vsn_config(48, 16, 128, 128, 0, 2048, 1e-5)
-    assert cfg.groups > 1 and cfg.chunks_var > 1   # enough blocks for the GPU at B*T = 2048
-    assert vsn_mod._vsn_config(48, 16, 128, 128, 0, 0, 1e-5) is None
-    assert vsn_mod._vsn_config(4096, 16, 128, 128, 0, 64, 1e-5) is None  # selection input too wide

@@ -204,8 +204,8 @@ def grn_case(size: str) -> list[Variant]:
     a [R, I] float32 with I = Hd = O = 128 (16 small), so the skip is the identity; rows
     R = B x T = 2048 and 16384 by default (64 small). FLOPs are the matmuls only: forward
     2 R (I Hd + Hd Hd + 2 Hd O); forward+backward counted as 3x.
-    The GRN kernels (ffi/grn.cu) are currently not in the package (``jaxfox.grn._KERNELS_ENABLED``
-    is False): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
+    jaxfox has no CUDA kernel for the GRN (a fused one was slower than XLA on the H200 and is not in
+    the package): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
     (on a GPU the harness also warns that the jaxfox path compiled without an FFI call).
     """
     import jaxfox
@@ -244,8 +244,8 @@ def vsn_case(size: str) -> list[Variant]:
     reaches the selection weights through out. FLOPs are the matmuls only: the selection GRN
     (input m d, output m, Dense skip) plus m per-variable GRNs (input d, output O, Dense skip);
     forward+backward counted as 3x.
-    The VSN kernels (ffi/vsn.cu) are currently not in the package (``jaxfox.vsn._KERNELS_ENABLED``
-    is False): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
+    jaxfox has no CUDA kernel for the VSN (a fused one was slower than XLA on the H200 and is not in
+    the package): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
     (on a GPU the harness also warns that the jaxfox path compiled without an FFI call).
     """
     import jaxfox
