@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
 
     import jaxfox
     from jaxfox.data.market import make_windows
-    from jaxfox.models import evaluate, make_model, make_optimizer, train_step
+    from jaxfox.models import evaluate, make_model, make_optimizer, train_epoch
 
     if args.model == "full":
         from jaxfox.models import perception as full
@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
         def evaluate(model, x, y):  # noqa: F811 - (loss, AUC) as v0's; the weights are read after training
             return full.evaluate(model, x, y)[:2]
 
-        train_step = full.train_step  # noqa: F811
+        train_epoch = full.train_epoch  # noqa: F811
 
     os.makedirs(args.out, exist_ok=True)
     kernels = jaxfox.kernels_available()
@@ -174,25 +174,19 @@ def main(argv=None) -> dict:
           f"{n_params} parameters; AdamW lr={args.lr} wd={args.weight_decay}, batch {args.batch_size}, "
           f"input noise {args.input_noise}")
 
-    rng = np.random.default_rng(args.seed)
-    steps = n // args.batch_size  # fixed-shape batches (one compiled step); a new shuffle every epoch
+    # The training windows live on the device; each epoch (a new shuffle, fresh input noise, n // batch
+    # fixed-shape AdamW steps) is one compiled call, so the host does not dispatch every step.
+    x_dev, y_dev = jnp.asarray(x_train), jnp.asarray(y_train)
+    keys = jax.random.split(jax.random.key(args.seed), args.epochs)
     history = {"train_loss": [], "val_loss": [], "val_auc": [], "epoch_s": [], "eval_s": []}
     best = {"val_auc": -np.inf, "epoch": 0, "params": None}
-    for epoch in range(1, args.epochs + 1):
+    bar = tqdm(range(1, args.epochs + 1), desc="epochs", leave=False, file=sys.stderr)
+    for epoch in bar:
         t_ep = time.perf_counter()
-        order = rng.permutation(n)
-        losses = []
-        bar = tqdm(range(steps), desc=f"epoch {epoch}/{args.epochs}", leave=False, file=sys.stderr)
-        for i in bar:
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            x = x_train[idx]
-            if args.input_noise > 0:
-                x = x + args.input_noise * rng.standard_normal(x.shape).astype(np.float32)
-            loss = train_step(model, optimizer, jnp.asarray(x), jnp.asarray(y_train[idx]))
-            losses.append(loss)
-            if i % 10 == 0:
-                bar.set_postfix(loss=f"{float(loss):.4f}")
+        losses = train_epoch(model, optimizer, x_dev, y_dev, keys[epoch - 1], batch_size=args.batch_size,
+                             input_noise=args.input_noise)
         train_loss = float(np.mean(jax.device_get(losses)))
+        bar.set_postfix(loss=f"{train_loss:.4f}")
         t_eval = time.perf_counter()
         val_loss, val_auc = evaluate(model, data.x_val, data.y_val)
         t_end = time.perf_counter()

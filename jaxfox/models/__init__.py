@@ -12,11 +12,12 @@ from jaxfox.models.perception_v0 import (
     make_model,
     make_optimizer,
     predict_logits,
+    train_epoch,
     train_step,
 )
 
 __all__ = [
     "BranchingC51", "Perception", "FULL_DEFAULTS",
     "DEFAULTS", "PerceptionV0", "benchmark_step", "evaluate", "loss_fn", "make_model", "make_optimizer",
-    "predict_logits", "train_step",
+    "predict_logits", "train_epoch", "train_step",
 ]

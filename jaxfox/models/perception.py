@@ -21,7 +21,7 @@ against ~0.65 with the last state added (main job, 3 epochs, seed 0). Every bloc
 functional op (CUDA kernels on a GPU, pure-JAX reference elsewhere).
 
 Training-loop pieces, as :mod:`jaxfox.models.perception_v0` (whose :func:`make_optimizer` is reused):
-:func:`make_model`, :func:`loss_fn`, :func:`train_step`, :func:`predict`, :func:`evaluate`.
+:func:`make_model`, :func:`loss_fn`, :func:`train_step`, :func:`train_epoch`, :func:`predict`, :func:`evaluate`.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox.models.perception_v0 import check_window_batch, data_parallel_step, make_benchmark_step, make_optimizer
+from jaxfox.models.perception_v0 import (check_window_batch, data_parallel_epoch, data_parallel_step, make_benchmark_step,
+                                         make_optimizer)
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 
-__all__ = ["FULL_DEFAULTS", "Perception", "make_model", "make_optimizer", "loss_fn", "train_step", "predict",
-           "evaluate", "benchmark_step"]
+__all__ = ["FULL_DEFAULTS", "Perception", "make_model", "make_optimizer", "loss_fn", "train_step", "train_epoch",
+           "predict", "evaluate", "benchmark_step"]
 
 
 FULL_DEFAULTS = {"embed_dim": 4, "vsn_hidden": 32, "vsn_out": 32, "hidden": 32, "backbone_units": 64,
@@ -135,6 +136,16 @@ def train_step(model: Perception, optimizer: nnx.Optimizer, x, y, *, mesh=None):
       ValueError: B is not divisible by the number of devices in the mesh.
     """
     return data_parallel_step(model, optimizer, x, y, mesh, loss=loss_fn)
+
+
+@nnx.jit(static_argnames=("batch_size", "input_noise", "mesh"))
+def train_epoch(model: Perception, optimizer: nnx.Optimizer, x, y, key, *, batch_size: int,
+                input_noise: float = 0.0, mesh=None):
+    """One epoch of :func:`train_step`s in one compiled call, as :func:`jaxfox.models.perception_v0.train_epoch`
+    (same arguments, returns the steps' losses [N // batch_size] float32, same errors), with this module's
+    :func:`loss_fn`."""
+    return data_parallel_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise,
+                               mesh=mesh, loss=loss_fn)
 
 
 @nnx.jit

@@ -14,7 +14,8 @@ continuous variables"); issue 3 replaces the flatten with a variable selection n
 pooling and a GRN head.
 
 Training-loop pieces: :func:`make_model`, :func:`make_optimizer`, :func:`loss_fn`, :func:`train_step`
-(``nnx.jit``, updates model and optimizer in place), :func:`predict_logits`, :func:`evaluate`, and
+(``nnx.jit``, updates model and optimizer in place), :func:`train_epoch` (a whole epoch of steps in one
+compiled call), :func:`predict_logits`, :func:`evaluate`, and
 :func:`benchmark_step` (a pure ``(state, batch) -> (state, loss)`` function for ``jaxfox.bench``).
 """
 
@@ -32,7 +33,7 @@ from jaxfox.sharding import batch_mesh, batch_sharding, check_divisible, data_pa
 
 __all__ = [
     "DEFAULTS", "PerceptionV0", "make_model", "make_optimizer", "loss_fn", "train_step", "predict_logits", "evaluate",
-    "benchmark_step", "make_benchmark_step", "data_parallel_step",
+    "benchmark_step", "make_benchmark_step", "data_parallel_step", "train_epoch", "data_parallel_epoch",
 ]
 
 
@@ -154,6 +155,56 @@ def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, *, mesh=None
       ValueError: B is not divisible by the number of devices in the mesh.
     """
     return data_parallel_step(model, optimizer, x, y, mesh)
+
+
+def data_parallel_epoch(model: nnx.Module, optimizer: nnx.Optimizer, x, y, key, *, batch_size: int,
+                        input_noise: float = 0.0, mesh=None, loss=None):
+    """One pass over x [N, T, m], y [N] in ``N // batch_size`` optimizer steps, as one ``lax.scan``; call it
+    inside ``nnx.jit`` (see :func:`train_epoch`).
+
+    The windows are visited in the order of ``jax.random.permutation`` (the last ``N % batch_size`` of the
+    permutation are left out this epoch); each batch gets i.i.d. Gaussian input noise of standard deviation
+    ``input_noise`` (0: none) drawn from ``key``; each step is :func:`data_parallel_step`. Updates ``model``
+    and ``optimizer`` in place and returns the steps' losses [N // batch_size] float32.
+    """
+    n = x.shape[0]
+    steps = n // batch_size
+    if steps < 1:
+        raise ValueError(f"x: an epoch needs at least batch_size={batch_size} windows, got {n}")
+    k_perm, k_noise = jax.random.split(key)
+    order = jax.random.permutation(k_perm, n)[:steps * batch_size].reshape(steps, batch_size)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def body(state, step):
+        idx, k = step
+        model, optimizer = nnx.merge(graphdef, state)
+        xb = jnp.take(x, idx, axis=0)
+        if input_noise:
+            xb = xb + jnp.asarray(input_noise, xb.dtype) * jax.random.normal(k, xb.shape, xb.dtype)
+        value = data_parallel_step(model, optimizer, xb, jnp.take(y, idx, axis=0), mesh, loss=loss)
+        return nnx.state((model, optimizer)), value
+
+    state, losses = jax.lax.scan(body, state, (order, jax.random.split(k_noise, steps)))
+    nnx.update((model, optimizer), state)
+    return losses
+
+
+@nnx.jit(static_argnames=("batch_size", "input_noise", "mesh"))
+def train_epoch(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, key, *, batch_size: int,
+                input_noise: float = 0.0, mesh=None):
+    """One epoch of :func:`train_step`s on the device: ``N // batch_size`` AdamW steps over x [N, T, m]
+    float32, y [N] float32 in {0, 1}, in one compiled call (a ``lax.scan`` over the steps, batches gathered
+    on the device), so that the host does not dispatch every step; see :func:`data_parallel_epoch` for the
+    order and the input noise (``key``: a ``jax.random`` key). Updates ``model`` and ``optimizer`` in place.
+
+    Returns:
+      the steps' batch-mean BCE losses [N // batch_size] float32, each before its update.
+
+    Raises:
+      ValueError: N < batch_size, or batch_size is not divisible by the number of devices in ``mesh``.
+    """
+    return data_parallel_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise,
+                               mesh=mesh)
 
 
 @nnx.jit
