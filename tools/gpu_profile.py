@@ -6,7 +6,10 @@
 Runs the step of ``jaxfox.models.<module>.benchmark_step`` (the bench's ``perception_step`` rows) on the
 kernel path and under ``jaxfox.use_reference()``, traces ``--steps`` calls of each after a warm-up, and
 prints, per path, the device kernels by total time per step (the GPU planes of the XSpace that
-``jax.profiler.trace`` writes, read with ``jax.profiler.ProfileData``). A diagnosis tool for GPU visits,
+``jax.profiler.trace`` writes, read with ``jax.profiler.ProfileData``), then the same time grouped by the
+Python source file of the operation each XLA kernel computes (the ``source_file`` metadata of the
+compiled HLO instruction of that name: vsn.py, attention.py, optax's transforms, ...; the jaxfox CUDA kernels
+are one group). A diagnosis tool for GPU visits,
 not a benchmark: the profiler adds its own cost, so compare shares, and time with ``python -m jaxfox.bench``.
 """
 
@@ -17,6 +20,7 @@ import collections
 import glob
 import importlib
 import os
+import re
 import tempfile
 
 import jax
@@ -44,8 +48,61 @@ def _kernel_times(trace_dir):
     return out
 
 
+_META = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_SOURCE = re.compile(r'source_file="([^"]+)"')
+
+
+def _sources(hlo_text):
+    """{HLO instruction name: "package/file.py" of the Python line that made it}: the innermost frame of
+    the instruction's stack_frame_id in the module's FileNames / FileLocations / StackFrames tables (or
+    its source_file metadata, in HLO text of the older form)."""
+    tables = {"FileNames": {}, "FileLocations": {}, "StackFrames": {}}
+    current = None
+    for line in hlo_text.splitlines():
+        t = line.strip()
+        if t in tables or t == "FunctionNames":
+            current = tables.get(t)
+            continue
+        if current is not None:
+            m = re.match(r'^(\d+)\s+(.*)$', t)
+            if m:
+                current[int(m.group(1))] = m.group(2)
+                continue
+            current = None
+
+    def field(text, key):
+        m = re.search(rf"{key}=(\d+)", text)
+        return int(m.group(1)) if m else None
+
+    def short(path):
+        return "/".join(path.strip('"').split(os.sep)[-2:])
+
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _META.match(line)
+        if not m:
+            continue
+        meta = m.group(2)
+        frame = _FRAME.search(meta)
+        if frame and int(frame.group(1)) in tables["StackFrames"]:
+            loc = tables["FileLocations"].get(field(tables["StackFrames"][int(frame.group(1))], "file_location_id"), "")
+            name = tables["FileNames"].get(field(loc, "file_name_id"))
+            if name is not None:
+                out[m.group(1)] = f"{short(name)}:{field(loc, 'line')}" if _BY_LINE else short(name)
+                continue
+        src = _SOURCE.search(meta)
+        if src:
+            out[m.group(1)] = short(src.group(1))
+    return out
+
+
+_BY_LINE = False
+
+
 def profile(step_fn, state, batch, steps):
     f = jax.jit(step_fn)
+    profile.sources = _sources(f.lower(state, batch).compile().as_text())
     for _ in range(3):
         state, loss = f(state, batch)
     jax.block_until_ready(loss)
@@ -63,6 +120,14 @@ def report(title, times, steps, top):
           f"kernel launches per step")
     for name, (t, c) in sorted(times.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{t / steps:9.1f} us {100 * t / max(total, 1e-9):5.1f}%  x{c / steps:4.1f}  {name[:110]}")
+    groups = collections.defaultdict(lambda: [0.0, 0])
+    for name, (t, c) in times.items():
+        key = "jaxfox CUDA kernels" if "jaxfox::" in name else profile.sources.get(name, "(no source metadata)")
+        groups[key][0] += t
+        groups[key][1] += c
+    print(f"-- by source file of the kernel's operation")
+    for key, (t, c) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        print(f"{t / steps:9.1f} us {100 * t / max(total, 1e-9):5.1f}%  x{c / steps:5.1f}  {key}")
 
 
 def main():
@@ -70,7 +135,10 @@ def main():
     p.add_argument("module", help="jaxfox.models.<module> with a benchmark_step (perception, perception_v0)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--by-line", action="store_true", help="group by source file and line, not by file")
     args = p.parse_args()
+    global _BY_LINE
+    _BY_LINE = args.by_line
     make = importlib.import_module(f"jaxfox.models.{args.module}").benchmark_step
     one = jaxfox.sharding.batch_mesh(jax.local_devices()[:1])
     print(f"kernels available: {jaxfox.kernels_available()}")
