@@ -169,6 +169,59 @@ def test_train_epoch_equals_its_train_steps():
         train_epoch(model, opt, x[:5], y[:5], key, batch_size=bs)
 
 
+def _epoch_data():
+    x = jax.random.normal(jax.random.key(1), (16, 10, 6))
+    return x, (x[:, -1, 0] > 0).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda x, y: {"y": y[:9]}, ValueError, r"y must have shape \[N\] = \[16\].*\(9,\)"),  # was: NaN params
+    (lambda x, y: {"y": y[:, None]}, ValueError, r"y must have shape \[N\] = \[16\].*\(16, 1\)"),  # was: [B, B] BCE
+    (lambda x, y: {"y": y.astype(jnp.int32)}, TypeError, "y must be float32"),
+    (lambda x, y: {"x": x[..., :5]}, ValueError, r"x must have shape \[N, T, 6\]"),
+    (lambda x, y: {"x": np.asarray(x, np.float64)}, TypeError, "x must be float32, got float64"),
+    (lambda x, y: {"batch_size": 8.0}, TypeError, "batch_size must be an int"),
+    (lambda x, y: {"batch_size": True}, TypeError, "batch_size must be an int"),              # was: batch 1
+    (lambda x, y: {"batch_size": 0}, ValueError, "batch_size must be >= 1"),                  # was: ZeroDivisionError
+    (lambda x, y: {"batch_size": 32}, ValueError, "at least batch_size=32 windows, got 16"),
+    (lambda x, y: {"input_noise": -0.5}, ValueError, "input_noise must be a finite std >= 0"),
+    (lambda x, y: {"input_noise": float("nan")}, ValueError, "input_noise must be a finite std >= 0"),
+    (lambda x, y: {"input_noise": jnp.float32(0.3)}, TypeError, "input_noise must be a Python float"),
+    (lambda x, y: {"key": 7}, TypeError, "key must be a jax.random key"),
+    (lambda x, y: {"key": jax.random.split(jax.random.key(0), 3)}, ValueError, "key must be a single jax.random key"),
+], ids=["y_short", "y_2d", "y_int", "x_m", "x_f64", "bs_float", "bs_bool", "bs_0", "bs_gt_n", "noise_neg", "noise_nan",
+        "noise_array", "key_int", "key_array"])
+def test_train_epoch_rejects_bad_arguments_before_running(change, error, match):
+    x, y = _epoch_data()
+    model = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
+    opt = make_optimizer(model, lr=1e-2)
+    before = [np.array(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    args = {"x": x, "y": y, "key": jax.random.key(0), "batch_size": 8, "input_noise": 0.3, **change(x, y)}
+    with pytest.raises(error, match=match):
+        train_epoch(model, opt, args["x"], args["y"], args["key"], batch_size=args["batch_size"],
+                    input_noise=args["input_noise"])
+    assert int(opt.step[...]) == 0
+    for a, b in zip(before, jax.tree.leaves(nnx.state(model, nnx.Param))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_train_epoch_compiles_once_over_epochs(monkeypatch):
+    """Epochs with new keys, numpy-typed but equal static arguments and the state train_epoch itself returned
+    (replicated over the mesh, which the first call's freshly made state was not) reuse one trace; before
+    the state was placed first, the second epoch compiled the whole scan again."""
+    import jaxfox.models.perception_v0 as v0
+
+    traces = []
+    real = v0.data_parallel_epoch
+    monkeypatch.setattr(v0, "data_parallel_epoch", lambda *a, **k: traces.append(1) or real(*a, **k))
+    x, y = _epoch_data()
+    model = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
+    opt = make_optimizer(model, lr=1e-2)
+    for epoch, (bs, noise) in enumerate([(8, 0.3), (np.int64(8), np.float64(0.3)), (8, 0.3)]):
+        train_epoch(model, opt, x, y, jax.random.key(epoch), batch_size=bs, input_noise=noise)
+    assert len(traces) == 1 and int(opt.step[...]) == 6
+
+
 def test_benchmark_step_is_pure_and_jittable():
     step_fn, state, batch = benchmark_step(batch=8, window=12, num_features=5, hidden=8)
     x, y = batch

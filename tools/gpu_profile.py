@@ -7,9 +7,11 @@ Runs the step of ``jaxfox.models.<module>.benchmark_step`` (the bench's ``percep
 kernel path and under ``jaxfox.use_reference()``, traces ``--steps`` calls of each after a warm-up, and
 prints, per path, the device kernels by total time per step (the GPU planes of the XSpace that
 ``jax.profiler.trace`` writes, read with ``jax.profiler.ProfileData``), then the same time grouped by the
-Python source file of the operation each XLA kernel computes (the ``source_file`` metadata of the
-compiled HLO instruction of that name: vsn.py, attention.py, optax's transforms, ...; the jaxfox CUDA kernels
-are one group). A diagnosis tool for GPU visits,
+Python source file of the operation each XLA kernel computes (the stack frames of the compiled HLO
+instruction that launched it: the trace event's ``hlo_op``, else the instruction whose name XLA:GPU turned
+into the kernel's name, "." and "-" to "_"; the file is the outermost jaxfox op module on the stack, vsn.py,
+attention.py, cfc.py, ..., else the innermost frame, optax's transforms, ...; the jaxfox CUDA kernels are
+one group; ``--by-line`` adds the line). A diagnosis tool for GPU visits,
 not a benchmark: the profiler adds its own cost, so compare shares, and time with ``python -m jaxfox.bench``.
 """
 
@@ -29,7 +31,9 @@ import jaxfox
 
 
 def _kernel_times(trace_dir):
-    """{kernel name: (total us, count)} over the device planes of the newest .xplane.pb under trace_dir."""
+    """{(kernel name, HLO op or None): [total us, count]} over the device planes of the newest .xplane.pb under
+    trace_dir; the HLO op is the event's ``hlo_op`` stat (the instruction that launched the kernel), when the
+    trace has it."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
     if not files:
         raise RuntimeError(f"no .xplane.pb under {trace_dir}")
@@ -42,7 +46,7 @@ def _kernel_times(trace_dir):
             if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
                 continue
             for ev in line.events:
-                rec = out[ev.name]
+                rec = out[(ev.name, dict(ev.stats).get("hlo_op"))]
                 rec[0] += ev.duration_ns / 1e3
                 rec[1] += 1
     return out
@@ -51,12 +55,26 @@ def _kernel_times(trace_dir):
 _META = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]+)"')
+_OP_MODULE = re.compile(r"(?:^|/)jaxfox/(?!sharding\.py|_ffi\.py|_validate\.py|__init__\.py)\w+\.py$")
 
 
-def _sources(hlo_text):
-    """{HLO instruction name: "package/file.py" of the Python line that made it}: the innermost frame of
-    the instruction's stack_frame_id in the module's FileNames / FileLocations / StackFrames tables (or
-    its source_file metadata, in HLO text of the older form)."""
+def _sanitized(name):
+    """An HLO instruction name as XLA:GPU names its kernel (llvm_ir::SanitizeFunctionName: every character
+    but [A-Za-z0-9_$] becomes '_', so fusion "loop_add_fusion.3" launches kernel "loop_add_fusion_3")."""
+    name = re.sub(r"[^A-Za-z0-9_$]", "_", name)
+    return "_" + name if name[:1].isdigit() else name
+
+
+def _sources(hlo_text, by_line=False):
+    """{HLO instruction name: "package/file.py" (or "...py:line")} for the instructions of compiled HLO text.
+
+    The file is read from the instruction's stack_frame_id in the module's FileNames / FileLocations /
+    StackFrames tables: of the chain of frames from the innermost outwards, the OUTERMOST frame in a jaxfox
+    op module (jaxfox/<family>.py, not sharding.py / _ffi.py), so that a GRN inside jaxfox/vsn.py counts as
+    vsn.py and a dispatch through _ffi.py as its op; with no such frame (optax, flax), the innermost frame.
+    HLO text of the older form without the tables: the instruction's source_file metadata.
+    (The text prints a frame's parent_frame_id one above the parent's id, 1 meaning none: frame 1, always
+    a root, shows parent 1; where it shows 0 the ids are taken as they are.)"""
     tables = {"FileNames": {}, "FileLocations": {}, "StackFrames": {}}
     current = None
     for line in hlo_text.splitlines():
@@ -72,12 +90,29 @@ def _sources(hlo_text):
             current = None
 
     def field(text, key):
-        m = re.search(rf"{key}=(\d+)", text)
+        m = re.search(rf"(?<![\w]){key}=(\d+)", text or "")
         return int(m.group(1)) if m else None
 
     def short(path):
         return "/".join(path.strip('"').split(os.sep)[-2:])
 
+    frames = tables["StackFrames"]
+    offset = 1 if field(frames.get(1), "parent_frame_id") == 1 else 0
+
+    def chain(frame_id):
+        """(file name, line) of frame_id and its callers, innermost first."""
+        out, seen = [], set()
+        while frame_id and frame_id in frames and frame_id not in seen:
+            seen.add(frame_id)
+            loc = tables["FileLocations"].get(field(frames[frame_id], "file_location_id"))
+            name = tables["FileNames"].get(field(loc, "file_name_id"))
+            if name is not None:
+                out.append((name.strip('"'), field(loc, "line")))
+            parent = field(frames[frame_id], "parent_frame_id")
+            frame_id = None if parent is None else parent - offset
+        return out
+
+    cache = {}
     out = {}
     for line in hlo_text.splitlines():
         m = _META.match(line)
@@ -85,11 +120,16 @@ def _sources(hlo_text):
             continue
         meta = m.group(2)
         frame = _FRAME.search(meta)
-        if frame and int(frame.group(1)) in tables["StackFrames"]:
-            loc = tables["FileLocations"].get(field(tables["StackFrames"][int(frame.group(1))], "file_location_id"), "")
-            name = tables["FileNames"].get(field(loc, "file_name_id"))
-            if name is not None:
-                out[m.group(1)] = f"{short(name)}:{field(loc, 'line')}" if _BY_LINE else short(name)
+        if frame and int(frame.group(1)) in frames:
+            fid = int(frame.group(1))
+            if fid not in cache:
+                files = chain(fid)
+                ops = [f for f in files if _OP_MODULE.search(f[0].replace(os.sep, "/"))]
+                pick = ops[-1] if ops else (files[0] if files else None)
+                cache[fid] = None if pick is None else (
+                    f"{short(pick[0])}:{pick[1]}" if by_line else short(pick[0]))
+            if cache[fid] is not None:
+                out[m.group(1)] = cache[fid]
                 continue
         src = _SOURCE.search(meta)
         if src:
@@ -101,8 +141,9 @@ _BY_LINE = False
 
 
 def profile(step_fn, state, batch, steps):
-    f = jax.jit(step_fn)
-    profile.sources = _sources(f.lower(state, batch).compile().as_text())
+    f = jax.jit(step_fn).lower(state, batch).compile()  # the executable whose HLO names the kernels
+    profile.sources = _sources(f.as_text(), by_line=_BY_LINE)
+    profile.kernel_sources = {_sanitized(k): v for k, v in profile.sources.items()}
     for _ in range(3):
         state, loss = f(state, batch)
     jax.block_until_ready(loss)
@@ -114,15 +155,23 @@ def profile(step_fn, state, batch, steps):
         return _kernel_times(d)
 
 
-def report(title, times, steps, top):
+def report(title, by_op, steps, top):
+    times = collections.defaultdict(lambda: [0.0, 0])
+    for (name, _), (t, c) in by_op.items():
+        times[name][0] += t
+        times[name][1] += c
     total = sum(t for t, _ in times.values())
     print(f"\n== {title}: {total / steps:.1f} us of kernels per step, {sum(c for _, c in times.values()) / steps:.0f} "
           f"kernel launches per step")
     for name, (t, c) in sorted(times.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{t / steps:9.1f} us {100 * t / max(total, 1e-9):5.1f}%  x{c / steps:4.1f}  {name[:110]}")
     groups = collections.defaultdict(lambda: [0.0, 0])
-    for name, (t, c) in times.items():
-        key = "jaxfox CUDA kernels" if "jaxfox::" in name else profile.sources.get(name, "(no source metadata)")
+    for (name, op), (t, c) in by_op.items():
+        if "jaxfox::" in name:
+            key = "jaxfox CUDA kernels"
+        else:  # the launching HLO op from the trace, else the kernel named after its fusion
+            key = profile.sources.get(op) or profile.kernel_sources.get(name) or profile.sources.get(name)
+            key = key or "(no source metadata)"
         groups[key][0] += t
         groups[key][1] += c
     print(f"-- by source file of the kernel's operation")

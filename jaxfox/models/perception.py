@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox.models.perception_v0 import (check_window_batch, data_parallel_epoch, data_parallel_step, make_benchmark_step,
+from jaxfox.models.perception_v0 import (_run_epoch, check_window_batch, data_parallel_step, make_benchmark_step,
                                          make_optimizer)
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
@@ -138,14 +138,13 @@ def train_step(model: Perception, optimizer: nnx.Optimizer, x, y, *, mesh=None):
     return data_parallel_step(model, optimizer, x, y, mesh, loss=loss_fn)
 
 
-@nnx.jit(static_argnames=("batch_size", "input_noise", "mesh"))
 def train_epoch(model: Perception, optimizer: nnx.Optimizer, x, y, key, *, batch_size: int,
                 input_noise: float = 0.0, mesh=None):
     """One epoch of :func:`train_step`s in one compiled call, as :func:`jaxfox.models.perception_v0.train_epoch`
-    (same arguments, returns the steps' losses [N // batch_size] float32, same errors), with this module's
-    :func:`loss_fn`."""
-    return data_parallel_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise,
-                               mesh=mesh, loss=loss_fn)
+    (same arguments, returns the steps' losses [N // batch_size] float32, same errors, raised before anything
+    runs), with this module's :func:`loss_fn`."""
+    return _run_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise, mesh=mesh,
+                      loss=loss_fn)
 
 
 @nnx.jit

@@ -34,6 +34,7 @@ from jaxfox.sharding import batch_mesh, batch_sharding, check_divisible, data_pa
 __all__ = [
     "DEFAULTS", "PerceptionV0", "make_model", "make_optimizer", "loss_fn", "train_step", "predict_logits", "evaluate",
     "benchmark_step", "make_benchmark_step", "data_parallel_step", "train_epoch", "data_parallel_epoch",
+    "check_epoch_args",
 ]
 
 
@@ -157,6 +158,51 @@ def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, *, mesh=None
     return data_parallel_step(model, optimizer, x, y, mesh)
 
 
+def check_epoch_args(model: nnx.Module, x, y, key, *, batch_size, input_noise, mesh=None) -> tuple[int, float]:
+    """Checks the arguments of :func:`train_epoch` / :func:`data_parallel_epoch` (works on concrete arrays and
+    on tracers: it reads shapes and dtypes only) and returns ``(batch_size, input_noise)`` as a Python int and
+    float (so that equal values hit the same compiled epoch).
+
+    Raises:
+      TypeError: batch_size is not an int (bools are refused), input_noise is not a real number, x or y is
+        not float32, key is not a ``jax.random`` key.
+      ValueError: batch_size < 1, input_noise < 0 or not finite, x is not [N, T, m] (m = ``model.num_features``
+        when the model has it), y is not [N], N < batch_size, key is not a single key, or batch_size is not
+        divisible by the number of devices of ``mesh``'s batch axis (default mesh: all local devices).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__} {batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(input_noise, bool) or not isinstance(input_noise, (int, float, np.integer, np.floating)):
+        raise TypeError(f"input_noise must be a Python float (a static argument: one compilation per value), got "
+                        f"{type(input_noise).__name__} {input_noise!r}")
+    if not (np.isfinite(input_noise) and input_noise >= 0):
+        raise ValueError(f"input_noise must be a finite std >= 0, got {input_noise!r}")
+    m = getattr(model, "num_features", None)
+    if not hasattr(x, "shape") or len(x.shape) != 3 or (m is not None and x.shape[-1] != m):
+        raise ValueError(f"x must have shape [N, T, {'m' if m is None else m}], got {getattr(x, 'shape', type(x))}")
+    if x.dtype != jnp.float32:
+        raise TypeError(f"x must be float32, got {x.dtype}")
+    n = x.shape[0]
+    if not hasattr(y, "shape") or tuple(y.shape) != (n,):
+        raise ValueError(f"y must have shape [N] = [{n}] (one label per window of x), got "
+                         f"{getattr(y, 'shape', type(y))}")
+    if y.dtype != jnp.float32:
+        raise TypeError(f"y must be float32, got {y.dtype}")
+    if n < batch_size:
+        raise ValueError(f"x: an epoch needs at least batch_size={batch_size} windows, got {n}")
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if tuple(shape) != ():
+            raise ValueError(f"key must be a single jax.random key (shape ()), got a key array of shape {shape}")
+    elif not (dtype == jnp.uint32 and len(shape) == 1):  # a raw key of jax.random.PRNGKey(seed)
+        raise TypeError(f"key must be a jax.random key (jax.random.key(seed)), got {type(key).__name__}"
+                        + ("" if dtype is None else f" {dtype}{list(shape)}"))
+    check_divisible("batch_size", int(batch_size), batch_mesh() if mesh is None else mesh)
+    return int(batch_size), float(input_noise)
+
+
 def data_parallel_epoch(model: nnx.Module, optimizer: nnx.Optimizer, x, y, key, *, batch_size: int,
                         input_noise: float = 0.0, mesh=None, loss=None):
     """One pass over x [N, T, m], y [N] in ``N // batch_size`` optimizer steps, as one ``lax.scan``; call it
@@ -166,11 +212,14 @@ def data_parallel_epoch(model: nnx.Module, optimizer: nnx.Optimizer, x, y, key, 
     permutation are left out this epoch); each batch gets i.i.d. Gaussian input noise of standard deviation
     ``input_noise`` (0: none) drawn from ``key``; each step is :func:`data_parallel_step`. Updates ``model``
     and ``optimizer`` in place and returns the steps' losses [N // batch_size] float32.
+
+    Raises:
+      what :func:`check_epoch_args` raises, at trace time.
     """
+    batch_size, input_noise = check_epoch_args(model, x, y, key, batch_size=batch_size, input_noise=input_noise,
+                                               mesh=mesh)
     n = x.shape[0]
     steps = n // batch_size
-    if steps < 1:
-        raise ValueError(f"x: an epoch needs at least batch_size={batch_size} windows, got {n}")
     k_perm, k_noise = jax.random.split(key)
     order = jax.random.permutation(k_perm, n)[:steps * batch_size].reshape(steps, batch_size)
     graphdef, state = nnx.split((model, optimizer))
@@ -189,22 +238,48 @@ def data_parallel_epoch(model: nnx.Module, optimizer: nnx.Optimizer, x, y, key, 
     return losses
 
 
-@nnx.jit(static_argnames=("batch_size", "input_noise", "mesh"))
+@nnx.jit(static_argnames=("batch_size", "input_noise", "mesh", "loss"))
+def _jit_epoch(model, optimizer, x, y, key, *, batch_size, input_noise, mesh, loss):
+    return data_parallel_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise,
+                               mesh=mesh, loss=loss)
+
+
+def _run_epoch(model, optimizer, x, y, key, *, batch_size, input_noise, mesh, loss):
+    """:func:`check_epoch_args`, then the state of (model, optimizer) replicated on the mesh, then the compiled
+    epoch. The placement is what the compiled epoch returns the state as (replicated over the mesh), so every
+    epoch, the first included, sees the same input shardings: without it the second call compiled again."""
+    batch_size, input_noise = check_epoch_args(model, x, y, key, batch_size=batch_size, input_noise=input_noise,
+                                               mesh=mesh)
+    replicated = NamedSharding(batch_mesh() if mesh is None else mesh, PartitionSpec())
+    nnx.update((model, optimizer), jax.device_put(nnx.state((model, optimizer)), replicated))  # no copy once there
+    return _jit_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise, mesh=mesh,
+                      loss=loss)
+
+
 def train_epoch(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, key, *, batch_size: int,
                 input_noise: float = 0.0, mesh=None):
-    """One epoch of :func:`train_step`s on the device: ``N // batch_size`` AdamW steps over x [N, T, m]
-    float32, y [N] float32 in {0, 1}, in one compiled call (a ``lax.scan`` over the steps, batches gathered
-    on the device), so that the host does not dispatch every step; see :func:`data_parallel_epoch` for the
-    order and the input noise (``key``: a ``jax.random`` key). Updates ``model`` and ``optimizer`` in place.
+    """One epoch of :func:`train_step`s on the device, in one compiled call (a ``lax.scan`` over the steps,
+    batches gathered on the device), so that the host does not dispatch every step. Updates ``model`` and
+    ``optimizer`` in place (their state is first placed replicated on ``mesh``).
+
+    Args:
+      x: [N, T, m] float32 windows (m = ``model.num_features``); y: [N] float32 labels in {0, 1}. Best a
+        ``jax.Array`` made once (``jnp.asarray``): a NumPy array is copied to the device at every call.
+      key: a ``jax.random`` key (``jax.random.key(seed)``; a raw ``jax.random.PRNGKey`` works too, compiled
+        apart): the epoch's order (``jax.random.permutation`` over N; its last ``N % batch_size`` windows are
+        left out) and its input noise (:func:`data_parallel_epoch`).
+      batch_size: windows per step (static: one compilation per value), divisible by the mesh's devices.
+      input_noise: std of the i.i.d. Gaussian noise added to each batch's x (0: none; static).
+      mesh: as :func:`train_step` (default: all local devices).
 
     Returns:
       the steps' batch-mean BCE losses [N // batch_size] float32, each before its update.
 
     Raises:
-      ValueError: N < batch_size, or batch_size is not divisible by the number of devices in ``mesh``.
+      TypeError / ValueError naming the argument, before anything runs: see :func:`check_epoch_args`.
     """
-    return data_parallel_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise,
-                               mesh=mesh)
+    return _run_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise, mesh=mesh,
+                      loss=loss_fn)
 
 
 @nnx.jit
