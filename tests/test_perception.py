@@ -222,6 +222,16 @@ def test_train_epoch_compiles_once_over_epochs(monkeypatch):
     assert len(traces) == 1 and int(opt.step[...]) == 6
 
 
+def test_train_step_rejects_labels_of_the_wrong_shape():
+    model = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
+    opt = make_optimizer(model)
+    x = jnp.zeros((4, 5, 6))
+    with pytest.raises(ValueError, match=r"y must have shape \[B\] = \[4\]"):
+        train_step(model, opt, x, jnp.zeros((4, 1)))
+    with pytest.raises(TypeError, match="y must be float32"):
+        train_step(model, opt, x, jnp.zeros((4,), jnp.int32))
+
+
 def test_benchmark_step_is_pure_and_jittable():
     step_fn, state, batch = benchmark_step(batch=8, window=12, num_features=5, hidden=8)
     x, y = batch

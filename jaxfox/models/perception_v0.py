@@ -131,8 +131,15 @@ def data_parallel_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh=N
     every device. Returns the global mean loss before the update. ``loss`` defaults to :func:`loss_fn`.
 
     Raises:
-      ValueError: the batch (x's leading axis) is not divisible by the number of devices in ``mesh``.
+      ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]),
+        or the batch (x's leading axis) is not divisible by the number of devices in ``mesh``.
+      TypeError: y is not float32.
     """
+    if not hasattr(y, "shape") or not hasattr(x, "shape") or tuple(y.shape) != tuple(x.shape[:1]):
+        raise ValueError(f"y must have shape [B] = {list(getattr(x, 'shape', ())[:1])} (one label per window of x), "
+                         f"got {getattr(y, 'shape', type(y))}")
+    if y.dtype != jnp.float32:
+        raise TypeError(f"y must be float32, got {y.dtype}")
     loss = loss_fn if loss is None else loss
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
