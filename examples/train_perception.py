@@ -200,8 +200,8 @@ def main(argv=None) -> dict:
             best = {"val_auc": val_auc, "epoch": epoch,
                     "params": jax.tree.map(np.array, nnx.state(model, nnx.Param))}
             mark = "  *best"
-        print(f"epoch {epoch:3d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  val AUC {val_auc:.4f}  "
-              f"({t_eval - t_ep:.1f}s train + {t_end - t_eval:.1f}s eval){mark}", flush=True)
+        tqdm.write(f"epoch {epoch:3d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  val AUC {val_auc:.4f}  "
+                   f"({t_eval - t_ep:.1f}s train + {t_end - t_eval:.1f}s eval){mark}", file=sys.stdout)
 
     nnx.update(model, best["params"])
     if args.model == "full":
