@@ -45,12 +45,23 @@ DEFAULTS = {"hidden": 32, "embed_dim": 2, "backbone_units": 64, "lr": 1e-3, "wei
 U = 128) and lower rates scored lower on validation."""
 
 
-def check_window_batch(x, num_features: int) -> None:
-    """Checks a model input x [B, T, m]: ValueError unless 3-D with m = num_features, TypeError unless float32."""
-    if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[-1] != num_features:
-        raise ValueError(f"x must have shape [B, T, {num_features}], got {getattr(x, 'shape', type(x))}")
+def check_window_batch(x, num_features: int | None, rows: str = "B") -> None:
+    """Checks windows x [rows, T, m]: ValueError unless 3-D with m = num_features (any m when None), TypeError
+    unless float32. ``rows`` names the leading axis in the message ("B" for a batch, "N" for a data set)."""
+    if not hasattr(x, "shape") or len(x.shape) != 3 or (num_features is not None and x.shape[-1] != num_features):
+        raise ValueError(f"x must have shape [{rows}, T, {'m' if num_features is None else num_features}], "
+                         f"got {getattr(x, 'shape', type(x))}")
     if x.dtype != jnp.float32:
         raise TypeError(f"x must be float32, got {x.dtype}")
+
+
+def _check_labels(y, n, rows: str) -> None:
+    """y must be [n] float32, one label per window (a [n, 1] y would broadcast the BCE to [n, n])."""
+    if not hasattr(y, "shape") or tuple(y.shape) != (n,):
+        raise ValueError(f"y must have shape [{rows}] = [{n}] (one label per window of x), got "
+                         f"{getattr(y, 'shape', type(y))}")
+    if y.dtype != jnp.float32:
+        raise TypeError(f"y must be float32, got {y.dtype}")
 
 
 class PerceptionV0(nnx.Module):
@@ -135,11 +146,7 @@ def data_parallel_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh=N
         or the batch (x's leading axis) is not divisible by the number of devices in ``mesh``.
       TypeError: y is not float32.
     """
-    if not hasattr(y, "shape") or not hasattr(x, "shape") or tuple(y.shape) != tuple(x.shape[:1]):
-        raise ValueError(f"y must have shape [B] = {list(getattr(x, 'shape', ())[:1])} (one label per window of x), "
-                         f"got {getattr(y, 'shape', type(y))}")
-    if y.dtype != jnp.float32:
-        raise TypeError(f"y must be float32, got {y.dtype}")
+    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
     loss = loss_fn if loss is None else loss
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -186,17 +193,9 @@ def check_epoch_args(model: nnx.Module, x, y, key, *, batch_size, input_noise, m
                         f"{type(input_noise).__name__} {input_noise!r}")
     if not (np.isfinite(input_noise) and input_noise >= 0):
         raise ValueError(f"input_noise must be a finite std >= 0, got {input_noise!r}")
-    m = getattr(model, "num_features", None)
-    if not hasattr(x, "shape") or len(x.shape) != 3 or (m is not None and x.shape[-1] != m):
-        raise ValueError(f"x must have shape [N, T, {'m' if m is None else m}], got {getattr(x, 'shape', type(x))}")
-    if x.dtype != jnp.float32:
-        raise TypeError(f"x must be float32, got {x.dtype}")
+    check_window_batch(x, getattr(model, "num_features", None), rows="N")
     n = x.shape[0]
-    if not hasattr(y, "shape") or tuple(y.shape) != (n,):
-        raise ValueError(f"y must have shape [N] = [{n}] (one label per window of x), got "
-                         f"{getattr(y, 'shape', type(y))}")
-    if y.dtype != jnp.float32:
-        raise TypeError(f"y must be float32, got {y.dtype}")
+    _check_labels(y, n, "N")
     if n < batch_size:
         raise ValueError(f"x: an epoch needs at least batch_size={batch_size} windows, got {n}")
     dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
