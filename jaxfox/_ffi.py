@@ -112,11 +112,16 @@ OPT_IN = ("attention_pool", "grouped_matmul", "adamw")
 named in ``JAXFOX_OPT_IN_KERNELS`` (comma-separated, or ``all``), read when a function is traced."""
 
 
+def opted_in_names() -> set[str]:
+    """The names listed in ``JAXFOX_OPT_IN_KERNELS`` now (comma-separated, blanks ignored)."""
+    return {n.strip() for n in os.environ.get(OPT_IN_ENV, "").split(",") if n.strip()}
+
+
 def kernel_opted_in(op: str) -> bool:
     """True when the opt-in kernel of ``op`` (one of :data:`OPT_IN`) is requested by ``JAXFOX_OPT_IN_KERNELS``."""
     if op not in OPT_IN:
         raise ValueError(f"kernel_opted_in: op must be one of {OPT_IN}, got {op!r}")
-    names = {n.strip() for n in os.environ.get(OPT_IN_ENV, "").split(",") if n.strip()}
+    names = opted_in_names()
     return op in names or "all" in names
 
 

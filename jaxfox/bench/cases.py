@@ -159,6 +159,20 @@ def perception_case(size: str) -> list[Variant]:
 _ROW_SHAPES = {"small": [(4, 16)], "default": [(32, 64), (256, 64)], "large": [(1024, 64)]}
 
 
+# ----------------------------------------------------------------------------------------------
+def _weighted_sum_grad(apply, w):
+    """Builder of ``op(params, x) = value_and_grad(sum(apply(params, x) * w), argnums=(0, 1))``: the
+    forward+backward of the row-wise perception blocks (a fixed random w, so that the input gradients
+    do not vanish, as they would for sum of squares through a LayerNorm)."""
+    def builder():
+        def op(params, x):
+            return jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * w), argnums=(0, 1))(params, x)
+
+        return op
+
+    return builder
+
+
 @register("attention_pool")
 def attention_pool_case(size: str) -> list[Variant]:
     """jaxfox.attention_pool forward+backward (value_and_grad of sum(pooled * w) w.r.t. params and hs).
@@ -175,15 +189,7 @@ def attention_pool_case(size: str) -> list[Variant]:
             params = jaxfox.attention_pool_init(jax.random.key(5), H, num_heads=4)
             hs, w = _normal(6, (B, T, H)), _normal(7, (H,))
 
-            def builder():
-                def op(params, hs):
-                    def loss(p, x):
-                        return jnp.sum(jaxfox.attention_pool(p, x)[0] * w)
-
-                    return jax.value_and_grad(loss, argnums=(0, 1))(params, hs)
-
-                return op
-
+            builder = _weighted_sum_grad(lambda p, x: jaxfox.attention_pool(p, x)[0], w)
             return CaseSpec(builder, None, (params, hs), None, None)
 
         out.append(Variant("attention_pool", f"fwd+bwd B={B} T={T} H={H} ({B * T} rows)", setup,
@@ -219,15 +225,7 @@ def grn_case(size: str) -> list[Variant]:
             params = jaxfox.grn_init(jax.random.key(70), I, H, O)
             a, w = _normal(71, (R, I)), _normal(72, (O,))
 
-            def builder():
-                def op(params, a):
-                    def loss(p, x):
-                        return jnp.sum(jaxfox.grn(p, x) * w)
-
-                    return jax.value_and_grad(loss, argnums=(0, 1))(params, a)
-
-                return op
-
+            builder = _weighted_sum_grad(jaxfox.grn, w)
             return CaseSpec(builder, None, (params, a), None, 3.0 * _grn_matmul_flops(R, I, H, O))
 
         out.append(Variant("grn", f"fwd+bwd R={R} I=H=O={I}", setup,
@@ -262,15 +260,7 @@ def vsn_case(size: str) -> list[Variant]:
             params = jaxfox.vsn_init(jax.random.key(73), m, d, H, O)
             xs, w = _normal(74, (R, m, d)), _normal(75, (O,))
 
-            def builder():
-                def op(params, xs):
-                    def loss(p, x):
-                        return jnp.sum(jaxfox.vsn(p, x)[0] * w)
-
-                    return jax.value_and_grad(loss, argnums=(0, 1))(params, xs)
-
-                return op
-
+            builder = _weighted_sum_grad(lambda p, x: jaxfox.vsn(p, x)[0], w)
             fwd = _grn_matmul_flops(R, m * d, H, m) + m * _grn_matmul_flops(R, d, H, O)
             return CaseSpec(builder, None, (params, xs), None, 3.0 * fwd)
 
@@ -557,11 +547,10 @@ _OPTIM_SIZES = {"small": [1 << 16], "default": [1 << 20, 10_000_000, 1 << 24], "
 @contextlib.contextmanager
 def _opted_in(name: str):
     """``name`` added to JAXFOX_OPT_IN_KERNELS while the body runs (wrap the tracing of the jaxfox path)."""
-    from jaxfox._ffi import OPT_IN_ENV
+    from jaxfox._ffi import OPT_IN_ENV, opted_in_names
 
     old = os.environ.get(OPT_IN_ENV)
-    names = {n.strip() for n in (old or "").split(",") if n.strip()} | {name}
-    os.environ[OPT_IN_ENV] = ",".join(sorted(names))
+    os.environ[OPT_IN_ENV] = ",".join(sorted(opted_in_names() | {name}))
     try:
         yield
     finally:
