@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import importlib
 import os
@@ -137,13 +138,10 @@ def _sources(hlo_text, by_line=False):
     return out
 
 
-_BY_LINE = False
-
-
-def profile(step_fn, state, batch, steps):
+def profile(step_fn, state, batch, steps, by_line=False):
+    """(kernel times as :func:`_kernel_times`, {HLO instruction name: source} of the executable traced)."""
     f = jax.jit(step_fn).lower(state, batch).compile()  # the executable whose HLO names the kernels
-    profile.sources = _sources(f.as_text(), by_line=_BY_LINE)
-    profile.kernel_sources = {_sanitized(k): v for k, v in profile.sources.items()}
+    sources = _sources(f.as_text(), by_line=by_line)
     for _ in range(3):
         state, loss = f(state, batch)
     jax.block_until_ready(loss)
@@ -152,10 +150,10 @@ def profile(step_fn, state, batch, steps):
             for _ in range(steps):
                 state, loss = f(state, batch)
             jax.block_until_ready(loss)
-        return _kernel_times(d)
+        return _kernel_times(d), sources
 
 
-def report(title, by_op, steps, top):
+def report(title, by_op, sources, steps, top):
     times = collections.defaultdict(lambda: [0.0, 0])
     for (name, _), (t, c) in by_op.items():
         times[name][0] += t
@@ -165,12 +163,13 @@ def report(title, by_op, steps, top):
           f"kernel launches per step")
     for name, (t, c) in sorted(times.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{t / steps:9.1f} us {100 * t / max(total, 1e-9):5.1f}%  x{c / steps:4.1f}  {name[:110]}")
+    kernel_sources = {_sanitized(k): v for k, v in sources.items()}
     groups = collections.defaultdict(lambda: [0.0, 0])
     for (name, op), (t, c) in by_op.items():
         if "jaxfox::" in name:
             key = "jaxfox CUDA kernels"
         else:  # the launching HLO op from the trace, else the kernel named after its fusion
-            key = profile.sources.get(op) or profile.kernel_sources.get(name) or profile.sources.get(name)
+            key = sources.get(op) or kernel_sources.get(name) or sources.get(name)
             key = key or "(no source metadata)"
         groups[key][0] += t
         groups[key][1] += c
@@ -186,16 +185,14 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--by-line", action="store_true", help="group by source file and line, not by file")
     args = p.parse_args()
-    global _BY_LINE
-    _BY_LINE = args.by_line
     make = importlib.import_module(f"jaxfox.models.{args.module}").benchmark_step
     one = jaxfox.sharding.batch_mesh(jax.local_devices()[:1])
     print(f"kernels available: {jaxfox.kernels_available()}")
-    step_fn, state, batch = make(mesh=one)
-    report(f"{args.module}, jaxfox path", profile(step_fn, state, batch, args.steps), args.steps, args.top)
-    with jaxfox.use_reference():
-        step_fn, state, batch = make(mesh=one)
-        report(f"{args.module}, reference path", profile(step_fn, state, batch, args.steps), args.steps, args.top)
+    for path in ("jaxfox", "reference"):
+        with jaxfox.use_reference() if path == "reference" else contextlib.nullcontext():
+            step_fn, state, batch = make(mesh=one)
+            times, sources = profile(step_fn, state, batch, args.steps, by_line=args.by_line)
+            report(f"{args.module}, {path} path", times, sources, args.steps, args.top)
 
 
 if __name__ == "__main__":
