@@ -222,6 +222,55 @@ def test_train_epoch_compiles_once_over_epochs(monkeypatch):
     assert len(traces) == 1 and int(opt.step[...]) == 6
 
 
+def test_make_optimizer_update_equals_numpy_adamw_with_global_norm_clipping():
+    """Two updates of make_optimizer (optax.flatten over clip_by_global_norm + adamw) equal float64 NumPy
+    written from the equations (Pascanu et al. 2013 clipping; Loshchilov & Hutter 2019 AdamW with optax's
+    defaults b1 0.9, b2 0.999, eps 1e-8, eps_root 0, bias correction, decay on every parameter), leaf by leaf.
+    Step 1's gradient (norm ~10) is clipped to norm 1, step 2's (norm ~0.1) is not, so step 2's update depends
+    on the clip of step 1 through the moments."""
+    lr, wd, clip, b1, b2, eps = 1e-2, 0.5, 1.0, 0.9, 0.999, 1e-8
+    model = make_model(3, hidden=4, embed_dim=2, backbone_units=8, rngs=nnx.Rngs(0))
+    opt = make_optimizer(model, lr=lr, weight_decay=wd, clip_norm=clip)
+    params = nnx.state(model, nnx.Param)
+    leaves = [np.asarray(a, np.float64) for a in jax.tree.leaves(params)]
+    rng = np.random.default_rng(0)
+    n_par = sum(a.size for a in leaves)
+    g_steps = []
+    for norm in (10.0, 0.1):
+        g = [rng.standard_normal(a.shape) for a in leaves]
+        scale = norm / math.sqrt(sum(float(np.sum(x * x)) for x in g))
+        g_steps.append([(x * scale).astype(np.float32) for x in g])
+
+    p = [a.copy() for a in leaves]
+    m = [np.zeros_like(a) for a in leaves]
+    v = [np.zeros_like(a) for a in leaves]
+    for t, g32 in enumerate(g_steps, start=1):
+        grads = jax.tree.unflatten(jax.tree.structure(params), [jnp.asarray(x) for x in g32])
+        opt.update(model, grads)
+        g = [x.astype(np.float64) for x in g32]
+        gnorm = math.sqrt(sum(float(np.sum(x * x)) for x in g))
+        g = [x * min(1.0, clip / gnorm) for x in g]
+        m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g)]
+        v = [b2 * vi + (1 - b2) * gi * gi for vi, gi in zip(v, g)]
+        # optax evaluates decay ** count in float32, i.e. with b1, b2 rounded to float32 (0.999 -> 0.99900001:
+        # 1 - b2 ** 1 is then 1.3e-5 smaller, relatively), so the bias corrections here do the same
+        c1, c2 = 1 - float(np.float32(b1)) ** t, 1 - float(np.float32(b2)) ** t
+        p = [pi - lr * ((mi / c1) / (np.sqrt(vi / c2) + eps) + wd * pi) for pi, mi, vi in zip(p, m, v)]
+    got = [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert len(got) == len(p) > 3
+    for gi, pi, li in zip(got, p, leaves):
+        assert gi.shape == pi.shape and gi.dtype == np.float32
+        assert np.abs(pi - li).max() > 1e-3                 # every leaf moved (decay or gradient)
+        # relative to the leaf's scale: float32 rounds the stored params and cancels in m = b1 m + (1 - b1) g
+        np.testing.assert_allclose(gi, pi, rtol=1e-6, atol=1e-6 * np.abs(pi).max())
+    # the state is flat: one [P] vector per moment, in the order of the parameter leaves
+    adam = nnx.as_pure(opt.opt_state)[1][0]
+    assert int(adam.count) == 2 and adam.mu.shape == (n_par,) and adam.nu.shape == (n_par,)
+    m_flat, v_flat = np.concatenate([x.ravel() for x in m]), np.concatenate([x.ravel() for x in v])
+    np.testing.assert_allclose(np.asarray(adam.mu), m_flat, rtol=1e-6, atol=1e-6 * np.abs(m_flat).max())
+    np.testing.assert_allclose(np.asarray(adam.nu), v_flat, rtol=1e-6)
+
+
 def test_train_step_rejects_labels_of_the_wrong_shape():
     model = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
     opt = make_optimizer(model)
