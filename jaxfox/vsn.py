@@ -14,22 +14,32 @@ so GRN_v uses a Dense skip unless d = 1, and GRN_j unless d = O). The m per-vari
 stacked parameters (leading axis m) and run as one batched computation. With m = 1 the weight is
 exactly 1.
 
-The op is pure JAX, compiled by XLA, on every platform (CPU and GPU alike); gradients are JAX autodiff
-of it. jaxfox has no CUDA kernel for it: a fused VSN kernel was measured slower than XLA on the H200
-(BENCHMARKS.md, "2026-11-29 — attention_pool, GRN and VSN kernels": 0.35x at 2048 rows, 0.25x at
-16384, m = 48, d = 16, Hd = O = 128) and is not part of the package.
+Kernels (``ffi/vsn.cu``): on a CUDA device the m per-variable GRNs, the bulk of the op, run as one fused
+forward kernel (``jaxfox_vsn_grn_fwd``) and one fused backward kernel (``jaxfox_vsn_grn_bwd``, which
+recomputes the forward of its rows and writes per-row-range parameter partials that ``LaunchReduceAxis0``
+sums in a fixed order: no atomics) when every GRN width is small, d, Hd, O <= 32 (the main job's
+m = 48, d = 4, Hd = O = 32); the selection GRN, the softmax and the weighted sum stay XLA code. Wider
+GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference everywhere: there XLA's
+TF32 tensor-core matmuls beat the CUDA-core kernels (a fused VSN kernel measured 0.35x at 2048 rows,
+BENCHMARKS.md "2026-11-29"). Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its
+gradients are JAX autodiff.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
 from jaxfox.grn import (
     _check_context, _check_eps, _check_input, _common_dtype, _grn_reference, _grn_sizes, _positive_int, grn_init,
     layer_norm,
 )
+from jaxfox.reduce import reduce_chunks
 
 __all__ = ["vsn_init", "vsn"]
 
@@ -110,14 +120,107 @@ def _grn_stacked_reference(p, x, eps):
     return jnp.moveaxis(y, 0, 1).reshape(*lead, m, y.shape[-1])
 
 
-def _vsn_reference(params, xs, c, eps):
-    """xs [..., m, d], c [..., C] or None -> (out [..., O], v [..., m]) float32."""
+# ----------------------------------------------------------------------------------------------
+# Kernel path of the stacked per-variable GRNs (ffi/vsn.cu). Per variable, the parameters travel as one
+# row of a [m, P] float32 matrix, in the order of _STACK_KEYS (each leaf row-major; skip_w/skip_b only when
+# d != O), the layout ffi/vsn.cu's ParamLayout reads.
+_STACK_KEYS = ("w2", "b2", "w1", "b1", "w4", "b4", "w5", "b5", "skip_w", "skip_b", "gamma", "beta")
+KERNEL_MAX_WIDTH = 32
+"""The kernel path runs when d, Hd and O are all <= this (ffi/vsn.cu kMaxWidth); wider GRNs run the reference."""
+_ROW_TILE = 64           # ffi/vsn.cu kRowTile: rows per tile
+_TARGET_BWD_BLOCKS = 512  # backward CTAs aimed at (each sums `tiles_per_block` row tiles before writing a partial)
+
+
+class _StackCfg(NamedTuple):
+    hidden_size: int
+    output_size: int
+    eps: float
+
+
+def _stack_flat(p):
+    m = p["w2"].shape[0]
+    return jnp.concatenate([p[k].reshape(m, -1) for k in _STACK_KEYS if k in p], axis=1)
+
+
+def _stack_attrs(cfg):
+    return dict(hidden_size=np.int64(cfg.hidden_size), output_size=np.int64(cfg.output_size),
+                eps=np.float32(cfg.eps))
+
+
+def _bwd_tiling(R, m):
+    """(tiles_per_block, blocks) of the backward grid over ceil(R / 64) row tiles: a function of the shape only,
+    so the summation order of the parameter gradient (and its bits) is fixed by the shape."""
+    tiles = -(-R // _ROW_TILE)
+    per = max(1, -(-tiles * m // _TARGET_BWD_BLOCKS))
+    return per, -(-tiles // per)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _stack_kernel(cfg, wflat, x):
+    R, m, _ = x.shape
+    out = jax.ShapeDtypeStruct((R, m, cfg.output_size), jnp.float32)
+    return _ffi_call("jaxfox_vsn_grn_fwd", out, vmap_method="broadcast_all")(wflat, x, **_stack_attrs(cfg))
+
+
+def _stack_kernel_fwd(cfg, wflat, x):
+    return _stack_kernel(cfg, wflat, x), (wflat, x)
+
+
+def _stack_kernel_bwd(cfg, res, dy):
+    wflat, x = res
+    R, m, d = x.shape
+    P = wflat.shape[1]
+    per, blocks = _bwd_tiling(R, m)
+    chunks = reduce_chunks(blocks, m * P)
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((m, P), f32),                               # dw (reduced)
+           jax.ShapeDtypeStruct((R, m, d), x.dtype),                        # dx
+           jax.ShapeDtypeStruct((blocks, m * P), f32),                      # workspace: per-block partials
+           jax.ShapeDtypeStruct((chunks * m * P if chunks > 1 else 0,), f32))  # workspace: reduce_axis0
+    dw, dx, *_ = _ffi_call("jaxfox_vsn_grn_bwd", out, vmap_method="broadcast_all")(
+        wflat, x, dy.astype(f32), tiles_per_block=np.int64(per), chunks=np.int64(chunks), **_stack_attrs(cfg))
+    return psum_to_match((dw, dx), (wflat, x))
+
+
+_stack_kernel.defvjp(_stack_kernel_fwd, _stack_kernel_bwd)
+
+
+def _kernel_fits(d, H, O):
+    return max(d, H, O) <= KERNEL_MAX_WIDTH
+
+
+def _grn_stacked(p, x, eps):
+    """The m per-variable GRNs, x [R, m, d] -> [R, m, O] float32: the fused kernels on CUDA when the widths
+    fit (:data:`KERNEL_MAX_WIDTH`), else (and off CUDA) :func:`_grn_stacked_reference`."""
+    R, m, d = x.shape
+    H, O = p["w1"].shape[-1], p["w4"].shape[-1]
+
+    def reference(p, x):
+        return _grn_stacked_reference(p, x, eps)
+
+    if not _kernel_fits(d, H, O) or R == 0:
+        return reference(p, x)
+
+    def kernel(p, x):
+        return _stack_kernel(_StackCfg(H, O, float(eps)), _stack_flat(p), x)
+
+    return dispatch(kernel, reference, p, x, batch=(False, True))
+
+
+def _vsn_apply(params, xs, c, eps, stacked=_grn_stacked):
+    """xs [..., m, d], c [..., C] or None -> (out [..., O], v [..., m]) float32; ``stacked`` computes the m
+    per-variable GRNs ([R, m, d] -> [R, m, O])."""
     m, d = xs.shape[-2:]
     xs = xs.astype(jnp.float32)  # once: a bfloat16 xs gets its float32 gradient rounded once
     logits = _grn_reference(params["selection"], xs.reshape(xs.shape[:-2] + (m * d,)), c, eps)
     v = jax.nn.softmax(logits, axis=-1)
-    y = _grn_stacked_reference(params["variables"], xs, eps)
+    y = stacked(params["variables"], xs, eps)
     return jnp.sum(v[..., None] * y, axis=-2), v
+
+
+def _vsn_reference(params, xs, c, eps):
+    """The pure-JAX VSN (every platform): :func:`_vsn_apply` with :func:`_grn_stacked_reference`."""
+    return _vsn_apply(params, xs, c, eps, _grn_stacked_reference)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,8 +244,10 @@ def vsn(params, xs, context=None, *, eps=1e-5):
       bfloat16 inputs: float32 products, accumulation and statistics, float32 outputs; the
       gradient with respect to bfloat16 xs is the float32 gradient rounded once.
 
-    Differentiable in params, xs and context (JAX autodiff). Pure JAX (XLA) on every platform:
-    there is no CUDA kernel for this op (module docstring).
+    Differentiable in params, xs and context. On CUDA with d, Hd, O <= 32 the per-variable GRNs run the
+    fused kernels of ``ffi/vsn.cu`` (forward and a ``jax.custom_vjp`` backward, parameter gradients summed
+    in a fixed order: bitwise reproducible); everything else is XLA code with JAX autodiff (module
+    docstring).
 
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, eps not a number.
@@ -157,5 +262,5 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     xs, context = _common_dtype(xs, context)
     R = int(np.prod(lead, dtype=np.int64))
     c2 = jnp.broadcast_to(context, lead + (C,)).reshape(R, C) if C else None
-    out, v = _vsn_reference(params, xs.reshape((R, m, d)), c2, eps)
+    out, v = _vsn_apply(params, xs.reshape((R, m, d)), c2, eps)
     return out.reshape(lead + (O,)), v.reshape(lead + (m,))

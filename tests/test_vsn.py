@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+import jaxfox
 from conftest import assert_raises_naming as _bad, rel_err
 from jaxfox import vsn, vsn_init
 from test_grn import assert_f32_close, assert_tree_close, fd_grads, np_grn
@@ -229,3 +231,102 @@ def test_zero_rows():
     p = random_vsn_params(3, 2, 4, 5)
     out, w = vsn(p, jnp.zeros((0, 7, 3, 2)))
     assert out.shape == (0, 7, 5) and w.shape == (0, 7, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA kernel path (ffi/vsn.cu), traced and lowered for CUDA on this CPU machine with the kernels
+# forced on: which FFI calls the program makes, with which operand shapes and attributes.
+def _cuda_calls(f, *args):
+    """{target: [the text after '@target(' on each call line]} of jit(f)'s CUDA lowering."""
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {}
+    for target, rest in re.findall(r"custom_call @(jaxfox_\w+)\((.*)", text):
+        calls.setdefault(target, []).append(rest)
+    return calls
+
+
+def _grad_fn(eps=1e-5):
+    def loss(p, x, c=None):
+        out, w = vsn(p, x, c, eps=eps)
+        return jnp.sum(out * out) + jnp.sum(w * jnp.arange(w.shape[-1], dtype=jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1))
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    import jaxfox._ffi
+
+    # as on a GPU machine with the extension: available unless inside use_reference()
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: not jaxfox._ffi._reference_forced())
+
+
+FWD, BWD = "jaxfox_vsn_grn_fwd", "jaxfox_vsn_grn_bwd"
+
+
+def test_kernel_path_lowers_for_cuda(kernels_on):
+    from jaxfox.reduce import reduce_chunks
+    from jaxfox.vsn import _bwd_tiling
+
+    m, d, H, O, R = 48, 4, 32, 32, 2048
+    p = vsn_init(jax.random.key(0), m, d, H, O)
+    P = d * H + H + H * H + H + 2 * (H * O + O) + d * O + O + 2 * O   # the flat row of one variable
+    xs = jnp.zeros((32, 64, m, d))
+    calls = _cuda_calls(_grad_fn(), p, xs)
+    assert set(calls) == {FWD, BWD} and len(calls[FWD]) == 1 and len(calls[BWD]) == 1
+    fwd, bwd = calls[FWD][0], calls[BWD][0]
+    assert f"(tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>) -> tensor<{R}x{m}x{O}xf32>" in fwd
+    assert f"hidden_size = {H} : i64" in fwd and f"output_size = {O} : i64" in fwd and "eps = 9.99999974E-6" in fwd
+    per, blocks = _bwd_tiling(R, m)
+    chunks = reduce_chunks(blocks, m * P)
+    assert f"tiles_per_block = {per} : i64" in bwd and f"chunks = {chunks} : i64" in bwd
+    ws = f"tensor<{chunks * m * P}xf32>" if chunks > 1 else "tensor<0xf32>"
+    assert (f"-> (tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>, tensor<{blocks}x{m * P}xf32>, {ws})") in bwd
+    # eps reaches both kernels; a context (selection GRN only) and bfloat16 xs keep the kernel path, whose
+    # operands are float32
+    calls = _cuda_calls(_grad_fn(eps=1e-3), p, xs.astype(jnp.bfloat16))
+    assert set(calls) == {FWD, BWD} and all("eps = 1.000000e-03" in c for c in calls[FWD] + calls[BWD])
+    assert f"tensor<{R}x{m}x{d}xf32>" in calls[FWD][0]
+    pc = vsn_init(jax.random.key(0), m, d, H, O, context_size=5)
+    assert set(_cuda_calls(jax.grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0])), pc, xs, jnp.zeros((32, 64, 5)))) == {
+        FWD, BWD}
+    with jaxfox.use_reference():
+        assert _cuda_calls(_grad_fn(), p, xs) == {}
+
+
+def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on):
+    m, d, H, O, V = 3, 5, 17, 9, 4
+    ps = jax.vmap(lambda k: vsn_init(k, m, d, H, O))(jax.random.split(jax.random.key(1), V))
+    P = d * H + H + H * H + H + 2 * (H * O + O) + d * O + O + 2 * O
+    xs = jnp.zeros((V, 6, 37, m, d))
+    calls = _cuda_calls(jax.vmap(_grad_fn()), ps, xs)            # params and xs batched
+    assert set(calls) == {FWD, BWD} and len(calls[FWD]) == 1
+    for rest in calls[FWD] + calls[BWD]:                         # broadcast_all: one call over the V instances
+        assert f"tensor<{V}x{m}x{P}xf32>" in rest and f"tensor<{V}x{6 * 37}x{m}x{d}xf32>" in rest
+    p = jax.tree.map(lambda a: a[0], ps)
+    calls = _cuda_calls(jax.vmap(_grad_fn(), in_axes=(None, 0)), p, xs)  # xs only: weights broadcast
+    assert set(calls) == {FWD, BWD} and f"tensor<{V}x{m}x{P}xf32>" in calls[FWD][0]
+
+
+@pytest.mark.parametrize("m,d,H,O,lead", [(3, 4, 33, 32, (5,)), (3, 40, 32, 32, (5,)), (3, 4, 32, 33, (5,)),
+                                          (3, 4, 32, 32, (0, 7))])
+def test_wide_or_empty_shapes_lower_without_the_kernels(kernels_on, m, d, H, O, lead):
+    """Hd, d or O > 32 (jaxfox.vsn.KERNEL_MAX_WIDTH), or no rows: the reference on CUDA too."""
+    p = vsn_init(jax.random.key(2), m, d, H, O)
+    calls = _cuda_calls(_grad_fn(), p, jnp.zeros(lead + (m, d)))
+    assert FWD not in calls and BWD not in calls
+
+
+@pytest.mark.parametrize("m", [1, 3, 48, 200])
+@pytest.mark.parametrize("R", [1, 63, 64, 65, 1000, 2048, 12800, 100000, 1 << 20])
+def test_bwd_tiling_covers_every_row_tile_once(R, m):
+    from jaxfox.vsn import _TARGET_BWD_BLOCKS, _bwd_tiling
+
+    tiles = -(-R // 64)
+    per, blocks = _bwd_tiling(R, m)
+    assert isinstance(per, int) and isinstance(blocks, int) and per >= 1 and blocks >= 1
+    assert blocks * per >= tiles and (blocks - 1) * per < tiles   # every tile in one CTA, no CTA without a tile
+    if tiles * m > _TARGET_BWD_BLOCKS:                             # about the targeted CTA count, not far above
+        assert blocks * m <= _TARGET_BWD_BLOCKS + m
+    else:
+        assert per == 1 and blocks == tiles

@@ -237,35 +237,38 @@ def grn_case(size: str) -> list[Variant]:
 def vsn_case(size: str) -> list[Variant]:
     """jaxfox.vsn forward+backward (value_and_grad of sum(out * w) w.r.t. params and xs), no context.
 
-    xs [R, m, d] float32 with m = 48 variables of width d = 16, hidden Hd = 128, output O = 128
-    (m = 4, d = 4, Hd = O = 16 small); rows R = 2048 and 16384 by default (64 small). The loss
-    reaches the selection weights through out. FLOPs are the matmuls only: the selection GRN
-    (input m d, output m, Dense skip) plus m per-variable GRNs (input d, output O, Dense skip);
-    forward+backward counted as 3x.
-    jaxfox has no CUDA kernel for the VSN (a fused one was slower than XLA on the H200 and is not in
-    the package): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
+    xs [R, m, d] float32 at two widths: the issue's bench shape, m = 48 variables of width d = 16, hidden
+    Hd = 128, output O = 128, and the main job's, m = 48, d = 4, Hd = O = 32 (FULL_DEFAULTS of
+    jaxfox.models.perception); small: m = 4, d = 4, Hd = O = 16 and the main job's. Rows R = 2048 and
+    16384 by default (64 small). The loss reaches the selection weights through out. FLOPs are the
+    matmuls only: the selection GRN (input m d, output m, Dense skip) plus m per-variable GRNs (input d,
+    output O, Dense skip); forward+backward counted as 3x.
+    The per-variable GRNs run the fused kernels of ffi/vsn.cu when d, Hd, O <= 32 (the main job's width,
+    and the small shapes): there the ffi column counts their forward and backward calls. The bench shape
+    (Hd = O = 128) runs the XLA reference on both paths, so its ffi column shows 0 and the speed-up is ~1
     (on a GPU the harness also warns that the jaxfox path compiled without an FFI call).
     """
     import jaxfox
 
     if size == "small":
-        m, d, H, O = 4, 4, 16, 16
+        widths = [(4, 4, 16, 16), (48, 4, 32, 32)]
     else:
-        m, d, H, O = 48, 16, 128, 128
+        widths = [(48, 16, 128, 128), (48, 4, 32, 32)]
     out = []
-    for B, T in _ROW_SHAPES[size]:
-        R = B * T
+    for m, d, H, O in widths:
+        for B, T in _ROW_SHAPES[size]:
+            R = B * T
 
-        def setup(R=R):
-            params = jaxfox.vsn_init(jax.random.key(73), m, d, H, O)
-            xs, w = _normal(74, (R, m, d)), _normal(75, (O,))
+            def setup(R=R, m=m, d=d, H=H, O=O):
+                params = jaxfox.vsn_init(jax.random.key(73), m, d, H, O)
+                xs, w = _normal(74, (R, m, d)), _normal(75, (O,))
 
-            builder = _weighted_sum_grad(lambda p, x: jaxfox.vsn(p, x)[0], w)
-            fwd = _grn_matmul_flops(R, m * d, H, m) + m * _grn_matmul_flops(R, d, H, O)
-            return CaseSpec(builder, None, (params, xs), None, 3.0 * fwd)
+                builder = _weighted_sum_grad(lambda p, x: jaxfox.vsn(p, x)[0], w)
+                fwd = _grn_matmul_flops(R, m * d, H, m) + m * _grn_matmul_flops(R, d, H, O)
+                return CaseSpec(builder, None, (params, xs), None, 3.0 * fwd)
 
-        out.append(Variant("vsn", f"fwd+bwd R={R} m={m} d={d} H={H} O={O}", setup,
-                           params={"R": R, "B": B, "T": T, "m": m, "d": d, "H": H, "O": O}))
+            out.append(Variant("vsn", f"fwd+bwd R={R} m={m} d={d} H={H} O={O}", setup,
+                               params={"R": R, "B": B, "T": T, "m": m, "d": d, "H": H, "O": O}))
     return out
 
 
