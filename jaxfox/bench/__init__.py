@@ -408,6 +408,9 @@ def run_variant(v: Variant, *, repeats: int = 20, min_call_ms: float = 20.0, max
     ref_t = row["reference"]["median_s"]
     k_t = row["jaxfox"]["median_s"] if row["jaxfox"] else None
     row["speedup"] = (ref_t / k_t) if k_t else None
+    # the row's result as soon as it is known (the table comes at the end; a run cut short keeps these lines)
+    log(f"  {v.case} {v.label}: reference {_fmt_time(ref_t)}"
+        + (f", jaxfox {_fmt_time(k_t)}, {row['speedup']:.2f}x" if k_t else ""))
     for path in ("reference", "jaxfox"):
         r = row[path]
         if r is None:
