@@ -201,7 +201,7 @@ def main(argv=None) -> dict:
                     "params": jax.tree.map(np.array, nnx.state(model, nnx.Param))}
             mark = "  *best"
         tqdm.write(f"epoch {epoch:3d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  val AUC {val_auc:.4f}  "
-                   f"({t_eval - t_ep:.1f}s train + {t_end - t_eval:.1f}s eval){mark}", file=sys.stdout)
+                   f"({t_eval - t_ep:.2f}s train + {t_end - t_eval:.2f}s eval){mark}", file=sys.stdout)
 
     nnx.update(model, best["params"])
     if args.model == "full":
@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
         print(f"  baseline {k:20s} test AUC {v:.4f}  (val {base_val[k]:.4f})")
     print(f"beats both single-feature baselines on the test span: {'YES' if beats else 'NO'}")
     print(f"epoch wall times (s, training part; epoch 1 includes compilation): "
-          + ", ".join(f"{s:.1f}" for s in history["epoch_s"]))
+          + ", ".join(f"{s:.3f}" for s in history["epoch_s"]))
     print(f"CfC kernels used: {kernels}" + ("" if kernels else f" ({reason})"))
     if args.model == "full":
         names = list(data.feature_names)

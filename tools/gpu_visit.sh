@@ -12,7 +12,8 @@
 #         job:<epochs> (the main job, examples/train_perception.py, with kernels, then JAXFOX_DISABLE_KERNELS=1;
 #         needs the arch wheel in .whl).
 # Output (the device tool returns at most 8 files): $OUT/visit.log (every phase's output, one after the
-# other), $OUT/summary.log (one line per phase) and $OUT/bench_<ops>.json per bench phase.
+# other), $OUT/summary.log (one line per phase), $OUT/bench_<ops>.json per bench phase and the job's two
+# metrics.json files (job_kernels_metrics.json, job_ref_metrics.json: full-precision epoch times).
 # Wheels that the machine lacks (arch, ...) travel in .whl (see the device tool's README) and are installed
 # first when that folder exists. Every phase runs even when an earlier one failed; the exit code is the
 # number of failed or skipped phases (a phase whose tests all skip counts as failed: pytest exits 5).
@@ -70,7 +71,10 @@ for phase in "$@"; do
     job)
       (cd "$repo" && export TQDM_DISABLE=1 && timeout "$(left)" python3 examples/train_perception.py --epochs "${arg:-3}" --out /tmp/job-kernels \
         && JAXFOX_DISABLE_KERNELS=1 timeout "$(left)" python3 examples/train_perception.py --epochs "${arg:-3}" --out /tmp/job-ref) \
-        >>"$log" 2>&1 ;;
+        >>"$log" 2>&1
+      rc=$?
+      for w in kernels ref; do [ -f "/tmp/job-$w/metrics.json" ] && cp "/tmp/job-$w/metrics.json" "$OUT/job_${w}_metrics.json"; done
+      [ "$rc" = 0 ] ;;
     *) echo "unknown phase $phase" >>"$log"; false ;;
   esac
   rc=$?
