@@ -141,6 +141,9 @@ def _check_eps(eps):
         raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
     if not (math.isfinite(float(eps)) and float(eps) > 0.0):
         raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+    e32 = float(np.float32(eps))
+    if not (math.isfinite(e32) and e32 > 0.0):  # the statistics are float32: 1e-46 would be 0, 1e39 inf
+        raise ValueError(f"eps must be a positive finite float32 (about 1.4e-45 to 3.4e38), got {eps!r}")
     return float(eps)
 
 
@@ -242,7 +245,7 @@ def grn(params, a, context=None, *, eps=1e-5):
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, or eps is not a number.
       ValueError: wrong shapes (the message names the argument), a context missing or unexpected
-        for ``params``, or eps <= 0.
+        for ``params``, or eps is not a positive finite float32 (0 < eps, float32(eps) neither 0 nor inf).
     """
     eps = _check_eps(eps)
     I, C, H, O = _grn_sizes(params, "params")

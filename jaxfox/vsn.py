@@ -186,8 +186,10 @@ def _stack_kernel_bwd(cfg, res, dy):
 _stack_kernel.defvjp(_stack_kernel_fwd, _stack_kernel_bwd)
 
 
-def _kernel_fits(d, H, O):
-    return max(d, H, O) <= KERNEL_MAX_WIDTH
+def _kernel_fits(m, d, H, O):
+    """Widths the kernels take (<= KERNEL_MAX_WIDTH) and a variable count that fits the grid (<= 65535). A jax.vmap
+    over more than 65535 instances is refused by the kernels at run time (an XLA error naming the limit)."""
+    return max(d, H, O) <= KERNEL_MAX_WIDTH and m <= 65535
 
 
 def _grn_stacked(p, x, eps):
@@ -199,7 +201,7 @@ def _grn_stacked(p, x, eps):
     def reference(p, x):
         return _grn_stacked_reference(p, x, eps)
 
-    if not _kernel_fits(d, H, O) or R == 0:
+    if not _kernel_fits(m, d, H, O) or R == 0:
         return reference(p, x)
 
     def kernel(p, x):
@@ -253,7 +255,7 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, eps not a number.
       ValueError: wrong shapes (the message names the argument), a context missing or unexpected,
-        inconsistent params, or eps <= 0.
+        inconsistent params, or eps is not a positive finite float32 (0 < eps, float32(eps) neither 0 nor inf).
     """
     eps = _check_eps(eps)
     m, d, H, O, C = _vsn_sizes(params)

@@ -306,6 +306,8 @@ def test_errors():
     _bad(lambda: grn(q, a, eps=0.0), ValueError, "eps")
     _bad(lambda: grn(q, a, eps=-1e-5), ValueError, "eps")
     _bad(lambda: grn(q, a, eps=float("nan")), ValueError, "eps")
+    _bad(lambda: grn(q, a, eps=1e-46), ValueError, "eps", "float32")  # float32(eps) == 0
+    _bad(lambda: grn(q, a, eps=1e39), ValueError, "eps", "float32")   # float32(eps) == inf
     _bad(lambda: grn(q, a, eps="1e-5"), TypeError, "eps")
     _bad(lambda: grn_init(jax.random.key(0), 5, 0, 3), ValueError, "hidden_size")
     _bad(lambda: grn_init(jax.random.key(0), 5, 4, 3.0), ValueError, "output_size")

@@ -184,6 +184,7 @@ def test_errors():
     bad_var = {**q["variables"], "b4": q["variables"]["b4"][:2]}
     _bad(lambda: vsn({**q, "variables": bad_var}, xs), ValueError, "params['variables']['b4']")
     _bad(lambda: vsn(q, xs, eps=0.0), ValueError, "eps")
+    _bad(lambda: vsn(q, xs, eps=1e-46), ValueError, "eps", "float32")  # the kernels' float32 eps attribute would be 0
     _bad(lambda: vsn_init(jax.random.key(0), 0, 2, 4, 5), ValueError, "num_vars")
     _bad(lambda: vsn_init(jax.random.key(0), 3, 2, 4, 5, context_size=-1), ValueError, "context_size")
 
