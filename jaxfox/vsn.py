@@ -210,20 +210,15 @@ def _grn_stacked(p, x, eps):
     return dispatch(kernel, reference, p, x, batch=(False, True))
 
 
-def _vsn_apply(params, xs, c, eps, stacked=_grn_stacked):
-    """xs [..., m, d], c [..., C] or None -> (out [..., O], v [..., m]) float32; ``stacked`` computes the m
-    per-variable GRNs ([R, m, d] -> [R, m, O])."""
+def _vsn_apply(params, xs, c, eps):
+    """xs [..., m, d], c [..., C] or None -> (out [..., O], v [..., m]) float32 (the per-variable GRNs by
+    :func:`_grn_stacked`: the kernels where they apply, else the reference)."""
     m, d = xs.shape[-2:]
     xs = xs.astype(jnp.float32)  # once: a bfloat16 xs gets its float32 gradient rounded once
     logits = _grn_reference(params["selection"], xs.reshape(xs.shape[:-2] + (m * d,)), c, eps)
     v = jax.nn.softmax(logits, axis=-1)
-    y = stacked(params["variables"], xs, eps)
+    y = _grn_stacked(params["variables"], xs, eps)
     return jnp.sum(v[..., None] * y, axis=-2), v
-
-
-def _vsn_reference(params, xs, c, eps):
-    """The pure-JAX VSN (every platform): :func:`_vsn_apply` with :func:`_grn_stacked_reference`."""
-    return _vsn_apply(params, xs, c, eps, _grn_stacked_reference)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def make_optimizer(model: nnx.Module, *, lr: float = DEFAULTS["lr"], weight_deca
     ``optax.flatten`` ravels the gradient (and parameter) pytree into one float32 vector [P] (P = number of
     parameters) before the clip and AdamW, and splits the update back into the leaves' shapes after, so XLA
     fuses the norm and the moment updates into a few kernels over one buffer instead of one set of tiny
-    kernels per parameter leaf (GPU profile, fifth/sixth session, BENCHMARKS.md: the per-leaf chain cost
+    kernels per parameter leaf (GPU profile, BENCHMARKS.md "sixth session": the per-leaf chain cost
     ~127 us of the ~946 us full-model training step on the H200, in ~82 launches). The math is the unflattened
     chain's (AdamW without a mask is elementwise; the global norm differs only in summation order).
 
