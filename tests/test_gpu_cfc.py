@@ -368,7 +368,10 @@ def test_training_loss_falls():
 # ----------------------------------------------------------------------------------------------
 # The kernel paths the default choice does not take at the sizes above: forced cluster sizes 1, 2 and
 # 8 (JAXFOX_CFC_CLUSTER, read once per process, hence a child process each), hidden size 1 (cluster of
-# 1 by default), and weights too large for shared memory at any cluster size (read from global memory).
+# 1 by default), and weights too large for shared memory at any cluster size (read from global memory);
+# the register forward (cfc_fwd_reg_kernel) forced on, also at cluster sizes 1 and 8, and forced off
+# (JAXFOX_CFC_REG), at backbone depths 0 and 1 (the depths it takes), including inputs wider than the
+# 256 threads of a CTA (I = 270, 300) and the main job's sizes.
 _PATH_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
@@ -404,6 +407,14 @@ _PATH_CASES = {
     "default_choice": ({}, [("default", 1, (3, 6, 4, 1, 5)), ("pure", 0, (2, 5, 3, 1, 8)),
                            ("default", 1, (2, 4, 16, 512, 512))]),
 }
+_REG_CASES = [("default", 1, (4, 9, 16, 64, 40)), ("pure", 1, (3, 7, 7, 33, 17)), ("no_gate", 0, (2, 5, 300, 20, 8)),
+              ("default", 1, (2, 5, 270, 16, 24)), ("default", 1, (8, 16, 32, 32, 64)), ("pure", 0, (3, 6, 5, 9, 8))]
+_PATH_CASES.update({
+    "register_forward": ({"JAXFOX_CFC_REG": "1"}, _REG_CASES),
+    "register_forward_cluster1": ({"JAXFOX_CFC_REG": "1", "JAXFOX_CFC_CLUSTER": "1"}, _REG_CASES),
+    "register_forward_cluster8": ({"JAXFOX_CFC_REG": "1", "JAXFOX_CFC_CLUSTER": "8"}, _REG_CASES[:4]),
+    "smem_forward": ({"JAXFOX_CFC_REG": "0"}, _REG_CASES),
+})
 
 
 @pytest.mark.parametrize("path", sorted(_PATH_CASES))

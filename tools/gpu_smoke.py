@@ -39,7 +39,8 @@ def case(B, T, I, H, U, L, mode, seed=0):
 allok = True
 for args in [(3, 5, 7, 9, 13, 1, "default"), (32, 64, 48, 128, 128, 1, "default"), (4, 9, 6, 16, 8, 0, "default"),
              (5, 7, 4, 33, 20, 2, "no_gate"), (6, 11, 5, 12, 10, 1, "pure"), (2, 3, 3, 200, 300, 2, "default"),
-             (32, 256, 48, 128, 128, 1, "default")]:
+             (32, 256, 48, 128, 128, 1, "default"), (32, 64, 32, 32, 64, 1, "default"), (7, 6, 5, 33, 17, 1, "pure"),
+             (3, 4, 300, 20, 8, 0, "no_gate"), (2, 5, 270, 16, 24, 1, "default")]:
     try:
         allok &= case(*args)
     except Exception as e:
