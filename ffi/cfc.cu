@@ -44,9 +44,9 @@ struct CfcDims {
   int64_t off_w[kMaxLayers], off_b[kMaxLayers], off_hw, off_hb, off_tau, off_A, P;
   int C, Hc, Uc, Ic;         // cluster size and slice widths (ceil(H / C) ...)
   int smem_w;                // 1: weight slices live in shared memory; 0: read from global (L2)
-  // Register forward (reg_f = 1, see RegForwardPlan): each thread holds its slice of the weights in
-  // registers; an output's Sb (backbone) or Sh (heads) k-splits sit in adjacent lanes, kcb / kch
-  // inputs each (multiples of 4), and are summed with warp shuffles.
+  // Register forward (reg_f = 1: it runs; RegForwardPlan fills the rest, UseRegForward decides): each
+  // thread holds its slice of the weights in registers; an output's Sb (backbone) or Sh (heads) k-splits
+  // sit in adjacent lanes, kcb / kch inputs each (multiples of 4), and are summed with warp shuffles.
   int reg_f, Sb, kcb, Sh, kch, zld, ald;
   int64_t B, T, V;           // samples per instance, steps, vmapped instances
   __host__ __device__ int Kl(int l) const { return l == 0 ? K0 : U; }
@@ -535,10 +535,9 @@ __host__ __device__ inline int FloorPow2(int n) {
   return p;
 }
 
-// Fills d->reg_f and the lane layout; reg_f = 0 when the sizes need more than the register budget.
-void RegForwardPlan(CfcDims* d) {
-  d->reg_f = 0;
-  if (d->L > 1) return;
+// Fills the register forward's lane layout; false when the sizes need more than its register budget.
+bool RegForwardPlan(CfcDims* d) {
+  if (d->L > 1) return false;
   auto splits = [](int outputs, int K, int group_max) {  // power of 2 <= group_max, outputs * S <= kNT
     int S = FloorPow2(std::max(1, kNT / std::max(1, outputs)));
     S = std::min(S, group_max);
@@ -548,16 +547,16 @@ void RegForwardPlan(CfcDims* d) {
   if (d->L == 1) {
     d->Sb = splits(d->Uc, d->K0, 32);
     d->kcb = Align4(int(CeilDiv(d->K0, d->Sb)));
-    if (d->kcb > kRegB || d->Uc * d->Sb > kNT) return;
+    if (d->kcb > kRegB || d->Uc * d->Sb > kNT) return false;
   } else {
     d->Sb = 1; d->kcb = 0;
   }
   d->Sh = splits(d->nh * d->Hc, d->Kh, 32 / d->nh);
   d->kch = Align4(int(CeilDiv(d->Kh, d->Sh)));
-  if (d->kch > kRegH || d->nh * d->Hc * d->Sh > kNT) return;
+  if (d->kch > kRegH || d->nh * d->Hc * d->Sh > kNT) return false;
   d->zld = Align4(d->K0);
   d->ald = Align4(std::max(d->U, 1));
-  d->reg_f = 1;
+  return true;
 }
 
 inline Layout MakeRegForwardLayout(const CfcDims& d) {
@@ -1166,7 +1165,7 @@ ffi::Error LaunchCluster(Kernel kernel, int C, int64_t samples, int64_t smem, cu
   return ffi::Error::Success();
 }
 
-// Which forward kernel runs. The register forward is used where RegForwardPlan fits and each thread's
+// Which forward kernel runs, given that RegForwardPlan fits. The register forward is used where each thread's
 // dot products are at least kRegMinInputs long (kcb + kch); shorter ones do not pay for the shuffle
 // trees. Measured on the H200 (BENCHMARKS.md, seventh session): I=48 H=U=128 C=4 (24 + 64 inputs a
 // thread) forward 777 us against 856 us for cfc_fwd_kernel at B=32 T=256; the main job's I=32 H=32
@@ -1179,7 +1178,7 @@ bool UseRegForward(const CfcDims& d) {
     const char* e = std::getenv("JAXFOX_CFC_REG");
     return e && (e[0] == '0' || e[0] == '1') ? e[0] - '0' : -1;
   }();
-  if (!d.reg_f || forced == 0) return false;
+  if (forced == 0) return false;
   return forced == 1 || d.kcb + d.kch >= kRegMinInputs;
 }
 
@@ -1198,15 +1197,7 @@ ffi::Error ByCluster(const CfcDims& d, F&& f) {
 // variant ChooseCluster picked.
 template <typename F>
 ffi::Error ByVariant(const CfcDims& d, F&& f) {
-  auto with_c = [&](auto C) {
-    return d.smem_w ? f(C, std::true_type{}) : f(C, std::false_type{});
-  };
-  switch (d.C) {
-    case 1: return with_c(std::integral_constant<int, 1>{});
-    case 2: return with_c(std::integral_constant<int, 2>{});
-    case 4: return with_c(std::integral_constant<int, 4>{});
-    default: return with_c(std::integral_constant<int, 8>{});
-  }
+  return ByCluster(d, [&](auto C) { return d.smem_w ? f(C, std::true_type{}) : f(C, std::false_type{}); });
 }
 
 ffi::Error CheckInputs(const CfcDims& d, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::F32>& ts,
@@ -1245,8 +1236,7 @@ ffi::Error CfcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   if (S == 0 || T == 0) return ffi::Error::Success();
   d.B = B; d.T = T; d.V = V;
   JAXFOX_RETURN_IF_ERROR(ChooseCluster(&d));
-  RegForwardPlan(&d);
-  d.reg_f = UseRegForward(d) ? 1 : 0;
+  d.reg_f = RegForwardPlan(&d) && UseRegForward(d) ? 1 : 0;
   const Layout lay = d.reg_f ? MakeRegForwardLayout(d) : MakeLayout(d, false);
   const int64_t smem = int64_t(lay.total) * sizeof(float);
   const float *px = xs.typed_data(), *pt = ts.typed_data(), *ph = h0.typed_data(), *pw = w.typed_data();
