@@ -16,7 +16,9 @@
   X(jaxfox_attention_pool_bwd) \
   X(jaxfox_adamw_apply)     \
   X(jaxfox_vsn_grn_fwd)     \
-  X(jaxfox_vsn_grn_bwd)
+  X(jaxfox_vsn_grn_bwd)     \
+  X(jaxfox_iqn_head_fwd)    \
+  X(jaxfox_iqn_head_bwd)
 
 #define JAXFOX_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JAXFOX_TARGETS(JAXFOX_DECLARE)

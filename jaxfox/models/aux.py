@@ -209,11 +209,16 @@ def iqn_init(key, obs_dim, hidden=128, n_cos=64):
 
 
 def iqn_quantiles(params, obs, taus, n_cos=64):
-    """Z_tau(s): obs [B, F], taus [B, N] -> [B, N] float32 (module docstring for the network)."""
+    """Z_tau(s): obs [B, F], taus [B, N] -> [B, N] float32 (module docstring for the network).
+
+    psi(s) is one XLA matmul; the rest is :func:`jaxfox.iqn_head` (fused kernels on CUDA, which never
+    write the [B, N, H] activations). n_cos must match ``params["w_phi"]`` (ValueError otherwise).
+    """
+    if params["w_phi"].shape[0] != n_cos:
+        raise ValueError(f"n_cos={n_cos} does not match params['w_phi'] of shape {tuple(params['w_phi'].shape)}")
     psi = jax.nn.relu(obs @ params["w_s"] + params["b_s"])                               # [B, H]
-    phi = jax.nn.relu(jaxfox.quantile_embedding(taus, n_cos) @ params["w_phi"] + params["b_phi"])  # [B, N, H]
-    h = jax.nn.relu((psi[:, None, :] * phi) @ params["w_h"] + params["b_h"])
-    return (h @ params["w_out"] + params["b_out"])[..., 0]
+    head = {k: params[k] for k in ("w_phi", "b_phi", "w_h", "b_h", "w_out", "b_out")}
+    return jaxfox.iqn_head(head, psi, taus)
 
 
 def iqn_loss(params, target, batch, key, cfg: AuxConfig):

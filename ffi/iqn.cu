@@ -1,0 +1,638 @@
+// IQN quantile head (jaxfox/iqn.py): z[b, i] = ReLU((ReLU(e[b, i] W_phi + b_phi) * psi[b]) W_h + b_h) . w_out + b_out,
+// e[b, i, k] = cos(pi tau[b, i] k); forward and backward on the tensor cores (mma.sync m16n8k8, TF32 operands
+// rounded to nearest, float32 accumulation), without writing any [B, N, H] activation to global memory.
+//
+// One persistent block of 256 threads per SM keeps W_h and W_phi (TF32-rounded) in shared memory and walks
+// over tiles of whole samples (floor(64 / N) samples, at most 64 rows = (sample, fraction) pairs). Per tile
+// the forward is two products, [rows, K] x [K, H] and [rows, H] x [H, H]; the backward recomputes them and
+// adds d m = d h W_h^T, the weight gradients (d W_h += m^T d h, d W_phi += e^T d phi, accumulated in
+// registers over the block's tiles) and, when asked, d e = d phi W_phi^T for d tau. Each block writes its
+// parameter-gradient partial once, and LaunchReduceAxis0 adds the partials in a fixed order (no atomics):
+// the gradients are bitwise reproducible for a given grid, which the caller fixes (attr `grid`), not the
+// device. d psi of a sample is a sum over the sample's own rows, inside one tile.
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "common.h"
+
+namespace jaxfox {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTileRows = 64;  // jaxfox/iqn.py _MAX_TILE_ROWS
+constexpr float kPi = 3.14159265358979323846f;
+
+__device__ __forceinline__ float Tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+
+// Shared-memory layout (floats) and flat parameter layout of one (K, H) instantiation. Every region starts
+// at a multiple of 8 floats (float2 / 32-byte aligned) and every row stride is a multiple of 4 floats; the
+// +4 padding of the row strides spreads a fragment's rows over the banks.
+template <int K, int H, bool kBackward>
+struct Layout {
+  static constexpr int kLH = H + 4;  // row stride of [*, H] tiles
+  // row stride of the weights: the forward reads them only as row-major B fragments (lane (g, t) reads row t,
+  // column g), conflict-free at a stride = 8 (mod 32); the backward also reads them transposed, which wants 4.
+  static constexpr int kLW = kBackward ? H + 4 : H + 8;
+  static constexpr int kLK = K + 4;  // row stride of the [rows, K] tile
+  static constexpr int kWh = 0;                                // W_h [H][kLW]
+  static constexpr int kWphi = kWh + H * kLW;                  // W_phi [K][kLW]
+  static constexpr int kCos = kWphi + K * kLW;                 // e, later d e [64][kLK]
+  static constexpr int kPhi = kCos + kMaxTileRows * kLK;       // phi, later d phi_pre (backward only)
+  static constexpr int kM = kPhi + kMaxTileRows * kLH;         // m = phi * psi, later d m
+  static constexpr int kHp = kM + kMaxTileRows * kLH;          // W_h product, later d h
+  static constexpr int kBphi = kHp + kMaxTileRows * kLH;       // b_phi [H]
+  static constexpr int kBh = kBphi + H;                        // b_h [H]
+  static constexpr int kWout = kBh + H;                        // w_out [H]
+  static constexpr int kDz = kWout + H;                        // d z of the tile's rows [64]
+  static constexpr int kRowSample = kDz + kMaxTileRows;        // row -> sample within the tile [64] (int)
+  static constexpr int kTotal = kRowSample + kMaxTileRows;
+  // flat parameters (jaxfox/iqn.py _flatten): w_h, w_phi, b_phi, b_h, w_out, b_out, zero padding
+  static constexpr int kPWh = 0;
+  static constexpr int kPWphi = H * H;
+  static constexpr int kPBphi = kPWphi + K * H;
+  static constexpr int kPBh = kPBphi + H;
+  static constexpr int kPWout = kPBh + H;
+  static constexpr int kPBout = kPWout + H;
+  static constexpr int kP = kPBout + 1;
+  static constexpr int kPpad = (kP + 7) / 8 * 8;
+  static_assert(kWphi % 8 == 0 && kCos % 8 == 0 && kPhi % 8 == 0 && kM % 8 == 0 && kHp % 8 == 0,
+                "regions must be 32-byte aligned");
+};
+
+// Warp tiling of an output of RB x CB fragments (16 x 16) over the 8 warps: a grid of (8 / WCW) x WCW warps,
+// each owning FR x FC fragments.
+template <int RB, int CB>
+struct WarpTile {
+  static constexpr int kWcw = CB < 4 ? CB : 4;
+  static constexpr int kWrw = kWarps / kWcw;
+  static constexpr int kFR = RB / kWrw;
+  static constexpr int kFC = CB / kWcw;
+  static_assert(kWcw * kWrw == kWarps && kFR * kWrw == RB && kFC * kWcw == CB && kFR >= 1 && kFC >= 1,
+                "output does not tile over 8 warps");
+  __device__ static int Row0(int warp) { return (warp / kWcw) * kFR; }
+  __device__ static int Col0(int warp) { return (warp % kWcw) * kFC; }
+  __device__ static int ColWarp(int warp) { return warp % kWcw; }
+};
+
+// A warp's accumulators for FR x FC output fragments of 16 x 16, held as the m16n8k8 MMA's C fragments
+// (two 16 x 8 halves per 16 x 16 fragment): lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8,
+// columns 2t and 2t + 1 of each half (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32).
+template <int FR, int FC>
+struct Frags {
+  float c[FR][2 * FC][4];
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int i = 0; i < FR; ++i)
+#pragma unroll
+      for (int j = 0; j < 2 * FC; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) c[i][j][q] = 0.f;
+  }
+};
+
+__device__ __forceinline__ void Mma1688(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// acc += sum over k < 8 ksteps of A(16 (r0 + i) + ., k) B(k, 16 (c0 + j) + .) for the row fragments
+// r0 + i < row_frags. A(row, k) is A[row * lda + k] (kARow) or A[k * lda + row]; B(k, col) is B[k * ldb + col]
+// (kBRow) or B[col * ldb + k]. A and B point into shared memory (plain indexed loads: LDS with immediate
+// offsets); the operands are TF32 values already (rounded when they were written). Lane (g, t) loads
+// A(g | g + 8, t | t + 4) and B(t | t + 4, g) of each fragment, as the m16n8k8 MMA expects.
+template <int FR, int FC, bool kARow, bool kBRow>
+__device__ __forceinline__ void WarpMma(Frags<FR, FC>& acc, const float* A, int lda, const float* B, int ldb,
+                                        int r0, int c0, int ksteps, int row_frags, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  auto a_at = [&](int row, int k) { return __float_as_uint(kARow ? A[row * lda + k] : A[k * lda + row]); };
+  auto b_at = [&](int k, int col) { return __float_as_uint(kBRow ? B[k * ldb + col] : B[col * ldb + k]); };
+#pragma unroll 2
+  for (int ks = 0; ks < ksteps; ++ks) {
+    const int k = 8 * ks + t;
+    uint32_t a[FR][4], b[2 * FC][2];
+#pragma unroll
+    for (int i = 0; i < FR; ++i) {
+      const int row = 16 * (r0 + i) + g;
+      if (r0 + i < row_frags) {
+        a[i][0] = a_at(row, k);
+        a[i][1] = a_at(row + 8, k);
+        a[i][2] = a_at(row, k + 4);
+        a[i][3] = a_at(row + 8, k + 4);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 2 * FC; ++j) {
+      const int col = 16 * c0 + 8 * j + g;
+      b[j][0] = b_at(k, col);
+      b[j][1] = b_at(k + 4, col);
+    }
+#pragma unroll
+    for (int i = 0; i < FR; ++i) {
+      if (r0 + i < row_frags) {
+#pragma unroll
+        for (int j = 0; j < 2 * FC; ++j) Mma1688(acc.c[i][j], a[i], b[j]);
+      }
+    }
+  }
+}
+
+// Stores the row fragments r0 + i < row_frags of acc to dst (row-major, row stride ld; shared or global).
+template <int FR, int FC>
+__device__ __forceinline__ void StoreRows(float* dst, int ld, const Frags<FR, FC>& acc, int r0, int c0,
+                                          int row_frags, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < FR; ++i) {
+    if (r0 + i < row_frags) {
+      const int row = 16 * (r0 + i) + g;
+#pragma unroll
+      for (int j = 0; j < 2 * FC; ++j) {
+        const int col = 16 * c0 + 8 * j + 2 * t;
+        *reinterpret_cast<float2*>(dst + row * ld + col) = make_float2(acc.c[i][j][0], acc.c[i][j][1]);
+        *reinterpret_cast<float2*>(dst + (row + 8) * ld + col) = make_float2(acc.c[i][j][2], acc.c[i][j][3]);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// kBackward = false: z [B, N] from (w, psi, taus). kBackward: d psi [B, H], d taus [B, N] (kTaus) and the
+// block's parameter-gradient partial part[blockIdx.x] [kPpad] from (w, psi, taus, dz).
+template <int K, int H, bool kBackward, bool kTaus>
+__global__ void __launch_bounds__(kThreads, 1)
+    iqn_head_kernel(const float* __restrict__ w, const float* __restrict__ psi, const float* __restrict__ taus,
+                    const float* __restrict__ dz, int B, int N, int samples_per_tile, int tiles,
+                    float* __restrict__ z, float* __restrict__ dpsi, float* __restrict__ dtaus,
+                    float* __restrict__ part) {
+  using S = Layout<K, H, kBackward>;
+  using RowT = WarpTile<kMaxTileRows / 16, H / 16>;  // [rows, H] products
+  using CosT = WarpTile<kMaxTileRows / 16, K / 16>;  // [rows, K] product (d e)
+  using WhT = WarpTile<H / 16, H / 16>;              // d W_h [H, H]
+  using WphiT = WarpTile<K / 16, H / 16>;            // d W_phi [K, H]
+  constexpr int kLH = S::kLH, kLK = S::kLK, kLW = S::kLW;
+  constexpr int kGroups = kThreads / H;              // threads per column in the column passes
+  extern __shared__ __align__(128) float sm[];
+  int* row_sample = reinterpret_cast<int*>(sm + S::kRowSample);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int col = tid % H, grp = tid / H;
+
+  for (int e = tid; e < H * H; e += kThreads) sm[S::kWh + (e / H) * kLW + e % H] = Tf32(w[S::kPWh + e]);
+  for (int e = tid; e < K * H; e += kThreads) sm[S::kWphi + (e / H) * kLW + e % H] = Tf32(w[S::kPWphi + e]);
+  for (int j = tid; j < H; j += kThreads) {
+    sm[S::kBphi + j] = w[S::kPBphi + j];
+    sm[S::kBh + j] = w[S::kPBh + j];
+    sm[S::kWout + j] = w[S::kPWout + j];
+  }
+  if (tid < kMaxTileRows) row_sample[tid] = tid / N;  // the only division by N
+  const float b_out = w[S::kPBout];
+
+  Frags<WhT::kFR, WhT::kFC> acc_wh;
+  Frags<WphiT::kFR, WphiT::kFC> acc_wphi;
+  float acc_dbphi = 0.f, acc_dbh = 0.f, acc_dwout = 0.f, acc_dbout = 0.f;
+  if (kBackward) {
+    acc_wh.Zero();
+    acc_wphi.Zero();
+  }
+  // The next tile's taus, d z and first psi values are loaded into registers while this tile computes, so
+  // that a tile never waits a full global-memory round trip before its first product.
+  constexpr int kPerRow = K / 16;  // threads per row in (a), 16 features each
+  constexpr int kPf = 2;           // psi values per thread carried in registers (the rest load in (a))
+  const int my_r = tid / kPerRow;
+  float pf_tau = 0.f, pf_dz = 0.f, pf_psi[kPf] = {0.f, 0.f};
+  auto prefetch = [&](int tn) {
+    if (tn >= tiles) return;
+    const int s0n = tn * samples_per_tile;
+    const int nsn = min(samples_per_tile, B - s0n);
+    const int64_t row0n = static_cast<int64_t>(s0n) * N;
+    if (my_r < nsn * N) {
+      pf_tau = taus[row0n + my_r];
+      if (kBackward && tid % kPerRow == 0) pf_dz = dz[row0n + my_r];
+    }
+#pragma unroll
+    for (int q = 0; q < kPf; ++q) {
+      const int e = tid + q * kThreads;
+      if (e < nsn * H) pf_psi[q] = __ldg(psi + static_cast<int64_t>(s0n) * H + e);
+    }
+  };
+  prefetch(blockIdx.x);
+  __syncthreads();
+
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int s0 = t * samples_per_tile;
+    const int ns = min(samples_per_tile, B - s0);
+    const int rows = ns * N;
+    const int row_frags = (rows + 15) >> 4;
+    const int64_t row0 = static_cast<int64_t>(s0) * N;
+
+    // (a) e[r, k] = cos(fl(pi tau) k): sincos of the chunk's first angle, then rotations by (cos, sin)(pi tau).
+    const float cur_tau = pf_tau, cur_dz = pf_dz;
+    float cur_psi[kPf];
+#pragma unroll
+    for (int q = 0; q < kPf; ++q) cur_psi[q] = pf_psi[q];
+    prefetch(t + gridDim.x);
+    {
+      const int r = my_r, c = (tid % kPerRow) * 16;
+      if (r < 16 * row_frags) {
+        float* dst = sm + S::kCos + r * kLK + c;
+        if (r < rows) {
+          const float x = kPi * cur_tau;
+          float s1, c1, sk, ck;
+          sincosf(x, &s1, &c1);
+          sincosf(x * static_cast<float>(c), &sk, &ck);
+#pragma unroll
+          for (int q = 0; q < 16; ++q) {
+            dst[q] = Tf32(ck);
+            const float cn = fmaf(ck, c1, -sk * s1);
+            sk = fmaf(sk, c1, ck * s1);
+            ck = cn;
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < 16; ++q) dst[q] = 0.f;
+        }
+        if (kBackward && c == 0) sm[S::kDz + r] = r < rows ? cur_dz : 0.f;
+      }
+      // the tile's psi rows -> the HP region (free until (d)): element e = tid + q * 256 is row e / H
+#pragma unroll
+      for (int q = 0; q < kPf; ++q) {
+        const int e = tid + q * kThreads;
+        if (e < ns * H) sm[S::kHp + (e / H) * kLH + e % H] = cur_psi[q];
+      }
+      const float* src = psi + static_cast<int64_t>(s0) * H;
+#pragma unroll 8
+      for (int e = tid + kPf * kThreads; e < ns * H; e += kThreads) {
+        sm[S::kHp + (e / H) * kLH + e % H] = __ldg(src + e);
+      }
+    }
+    __syncthreads();
+
+    // (b) the W_phi product -> PHI (backward) or M (forward)
+    float* const pre = sm + (kBackward ? S::kPhi : S::kM);
+    {
+      Frags<RowT::kFR, RowT::kFC> acc;
+      acc.Zero();
+      WarpMma<RowT::kFR, RowT::kFC, true, true>(acc, sm + S::kCos, kLK, sm + S::kWphi, kLW, RowT::Row0(warp),
+                                                RowT::Col0(warp), K / 8, row_frags, lane);
+      StoreRows(pre, kLH, acc, RowT::Row0(warp), RowT::Col0(warp), row_frags, lane);
+    }
+    __syncthreads();
+
+    // (c) phi = ReLU(. + b_phi), m = phi * psi (0 on padding rows). Each thread keeps one column; the
+    // loop is unrolled so that its shared-memory loads are issued together.
+    {
+      const float bphi = sm[S::kBphi + col];
+#pragma unroll
+      for (int q = 0; q < kMaxTileRows / kGroups; ++q) {
+        const int r = grp + q * kGroups;
+        if (r < 16 * row_frags) {
+          float phi = 0.f, m = 0.f;
+          if (r < rows) {
+            phi = fmaxf(pre[r * kLH + col] + bphi, 0.f);
+            m = phi * sm[S::kHp + row_sample[r] * kLH + col];
+          }
+          if (kBackward) pre[r * kLH + col] = phi;
+          sm[S::kM + r * kLH + col] = Tf32(m);
+        }
+      }
+    }
+    __syncthreads();
+
+    if constexpr (!kBackward) {
+      // (d) the W_h product and, in its epilogue, z = ReLU(. + b_h) . w_out + b_out: each warp sums its 32
+      // columns per row (lanes t of a row by shuffles), the column-warps' partials are added in order.
+      float* zpart = sm + S::kPhi;  // [64][kWcw]; the forward has no phi tile
+      {
+        Frags<RowT::kFR, RowT::kFC> acc;
+        acc.Zero();
+        const int r0 = RowT::Row0(warp), c0 = RowT::Col0(warp), g = lane >> 2, t4 = lane & 3;
+        WarpMma<RowT::kFR, RowT::kFC, true, true>(acc, sm + S::kM, kLH, sm + S::kWh, kLW, r0, c0, H / 8,
+                                                  row_frags, lane);
+#pragma unroll
+        for (int i = 0; i < RowT::kFR; ++i) {
+          if (r0 + i < row_frags) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              float v = 0.f;
+#pragma unroll
+              for (int j = 0; j < 2 * RowT::kFC; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int cc = 16 * c0 + 8 * j + 2 * t4 + e;
+                  v = fmaf(fmaxf(acc.c[i][j][2 * half + e] + sm[S::kBh + cc], 0.f), sm[S::kWout + cc], v);
+                }
+              }
+              v += __shfl_xor_sync(0xffffffffu, v, 1);
+              v += __shfl_xor_sync(0xffffffffu, v, 2);
+              if (t4 == 0) zpart[(16 * (r0 + i) + g + 8 * half) * RowT::kWcw + RowT::ColWarp(warp)] = v;
+            }
+          }
+        }
+      }
+      __syncthreads();
+      if (tid < rows) {
+        float v = 0.f;
+#pragma unroll
+        for (int cw = 0; cw < RowT::kWcw; ++cw) v += zpart[tid * RowT::kWcw + cw];
+        z[row0 + tid] = v + b_out;
+      }
+      // no barrier: the next tile writes zpart (and everything this tile still reads) only after two more
+    } else {
+      // (d) the W_h product -> HP
+      {
+        Frags<RowT::kFR, RowT::kFC> acc;
+        acc.Zero();
+        WarpMma<RowT::kFR, RowT::kFC, true, true>(acc, sm + S::kM, kLH, sm + S::kWh, kLW, RowT::Row0(warp),
+                                                  RowT::Col0(warp), H / 8, row_frags, lane);
+        StoreRows(sm + S::kHp, kLH, acc, RowT::Row0(warp), RowT::Col0(warp), row_frags, lane);
+      }
+      __syncthreads();
+
+      // (e) h = ReLU(. + b_h), d h = d z w_out 1{h > 0} -> HP; column sums of d w_out, d b_h, d b_out
+#pragma unroll 4
+      for (int r = grp; r < 16 * row_frags; r += kGroups) {
+        float* p = sm + S::kHp + r * kLH + col;
+        const float hp = *p + sm[S::kBh + col];
+        const float g = sm[S::kDz + r];
+        const float dh = hp > 0.f ? g * sm[S::kWout + col] : 0.f;
+        acc_dwout = fmaf(g, fmaxf(hp, 0.f), acc_dwout);
+        acc_dbh += dh;
+        if (col == 0) acc_dbout += g;
+        *p = Tf32(dh);
+      }
+      __syncthreads();
+
+      // (f) d W_h += m^T d h (A = m^T: M read column-major; the sum runs over the tile's rows)
+      WarpMma<WhT::kFR, WhT::kFC, false, true>(acc_wh, sm + S::kM, kLH, sm + S::kHp, kLH, WhT::Row0(warp),
+                                               WhT::Col0(warp), 2 * row_frags, 1 << 30, lane);
+      __syncthreads();
+
+      // (g) d m = d h W_h^T -> M (B = W_h^T: W_h read column-major)
+      {
+        Frags<RowT::kFR, RowT::kFC> acc;
+        acc.Zero();
+        WarpMma<RowT::kFR, RowT::kFC, true, false>(acc, sm + S::kHp, kLH, sm + S::kWh, kLW, RowT::Row0(warp),
+                                                   RowT::Col0(warp), H / 8, row_frags, lane);
+        StoreRows(sm + S::kM, kLH, acc, RowT::Row0(warp), RowT::Col0(warp), row_frags, lane);
+      }
+      __syncthreads();
+
+      // (h) per (sample, column): d psi = sum over the sample's rows of d m phi; d phi_pre = d m psi 1{phi > 0}
+      for (int q = 0, s = grp; s < ns; ++q, s += kGroups) {
+        const int64_t b = s0 + s;
+        // psi[b][col] is element tid + q * 256 of the tile's psi rows: in a register for q < kPf
+        const float ps = q == 0 ? cur_psi[0] : (q == 1 ? cur_psi[1] : __ldg(psi + b * H + col));
+        float acc = 0.f;
+#pragma unroll 4
+        for (int i = 0; i < N; ++i) {
+          const int r = s * N + i;
+          const float dm = sm[S::kM + r * kLH + col];
+          const float phi = sm[S::kPhi + r * kLH + col];
+          acc = fmaf(dm, phi, acc);
+          const float dp = phi > 0.f ? dm * ps : 0.f;
+          acc_dbphi += dp;
+          sm[S::kPhi + r * kLH + col] = Tf32(dp);
+        }
+        dpsi[b * H + col] = acc;
+      }
+      __syncthreads();
+
+      // (i) d W_phi += e^T d phi_pre (padding rows are 0 in both)
+      WarpMma<WphiT::kFR, WphiT::kFC, false, true>(acc_wphi, sm + S::kCos, kLK, sm + S::kPhi, kLH,
+                                                   WphiT::Row0(warp), WphiT::Col0(warp), 2 * row_frags, 1 << 30, lane);
+      if (kTaus) {
+        __syncthreads();
+        // (j) d e = d phi_pre W_phi^T -> the e tile (B = W_phi^T: W_phi read column-major)
+        {
+          Frags<CosT::kFR, CosT::kFC> acc;
+          acc.Zero();
+          WarpMma<CosT::kFR, CosT::kFC, true, false>(acc, sm + S::kPhi, kLH, sm + S::kWphi, kLW, CosT::Row0(warp),
+                                                     CosT::Col0(warp), H / 8, row_frags, lane);
+          StoreRows(sm + S::kCos, kLK, acc, CosT::Row0(warp), CosT::Col0(warp), row_frags, lane);
+        }
+        __syncthreads();
+        // (k) d tau = sum_k d e[k] (-sin(fl(pi tau) k)) k pi, one warp per row
+        for (int r = warp; r < rows; r += kWarps) {
+          const float x = kPi * taus[row0 + r];
+          float s = 0.f;
+  #pragma unroll
+          for (int k = lane; k < K; k += 32) {
+            const float kf = static_cast<float>(k);
+            s = fmaf(sm[S::kCos + r * kLK + k] * -sinf(x * kf), kf * kPi, s);
+          }
+          s = WarpSum(s);
+          if (lane == 0) dtaus[row0 + r] = s;
+        }
+      }
+      __syncthreads();  // the next tile overwrites every tile buffer
+    }
+  }
+
+  if constexpr (!kBackward) return;
+  float* prow = part + static_cast<int64_t>(blockIdx.x) * S::kPpad;
+  StoreRows(prow + S::kPWh, H, acc_wh, WhT::Row0(warp), WhT::Col0(warp), 1 << 30, lane);
+  StoreRows(prow + S::kPWphi, H, acc_wphi, WphiT::Row0(warp), WphiT::Col0(warp), 1 << 30, lane);
+  // column sums: the kGroups threads of a column added in group order (the loop's last barrier has passed)
+  float* red = sm + S::kHp;
+  red[(grp * 3 + 0) * H + col] = acc_dbphi;
+  red[(grp * 3 + 1) * H + col] = acc_dbh;
+  red[(grp * 3 + 2) * H + col] = acc_dwout;
+  if (col == 0) red[3 * kGroups * H + grp] = acc_dbout;
+  __syncthreads();
+  if (tid < H) {
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f;
+    for (int g = 0; g < kGroups; ++g) {
+      s0 += red[(g * 3 + 0) * H + tid];
+      s1 += red[(g * 3 + 1) * H + tid];
+      s2 += red[(g * 3 + 2) * H + tid];
+    }
+    prow[S::kPBphi + tid] = s0;
+    prow[S::kPBh + tid] = s1;
+    prow[S::kPWout + tid] = s2;
+  }
+  if (tid == 0) {
+    float s = 0.f;
+    for (int g = 0; g < kGroups; ++g) s += red[3 * kGroups * H + g];
+    prow[S::kPBout] = s;
+  }
+  if (tid >= S::kP - S::kPBout && tid < S::kPpad - S::kPBout) prow[S::kPBout + tid] = 0.f;  // padding
+}
+
+// Calls f(integral_constant K, integral_constant H) for the instantiated shapes (jaxfox/iqn.py _KERNEL_K/_H).
+template <typename F>
+ffi::Error ByShape(int64_t K, int64_t H, F&& f) {
+  using std::integral_constant;
+  if (K == 64 && H == 128) return f(integral_constant<int, 64>{}, integral_constant<int, 128>{});
+  if (K == 32 && H == 128) return f(integral_constant<int, 32>{}, integral_constant<int, 128>{});
+  if (K == 64 && H == 64) return f(integral_constant<int, 64>{}, integral_constant<int, 64>{});
+  if (K == 32 && H == 64) return f(integral_constant<int, 32>{}, integral_constant<int, 64>{});
+  return InvalidArgument("iqn_head: no kernel for n_cos = " + std::to_string(K) + ", hidden = " + std::to_string(H) +
+                         " (kernels: n_cos in {32, 64}, hidden in {64, 128})");
+}
+
+struct Dims {
+  int64_t B = 0, N = 0, spt = 1, tiles = 0;
+};
+
+ffi::Error CheckInputs(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F32>& psi,
+                       const ffi::Buffer<ffi::F32>& taus, int64_t n_cos, int64_t hidden, int64_t n_quantiles,
+                       int64_t ppad, Dims* d) {
+  if (psi.dimensions().size() != 2 || taus.dimensions().size() != 2 || w.dimensions().size() != 1) {
+    return InvalidArgument("iqn_head: expected w [P], psi [B, H], taus [B, N]; got w " + DimsToString(w.dimensions()) +
+                           ", psi " + DimsToString(psi.dimensions()) + ", taus " + DimsToString(taus.dimensions()));
+  }
+  d->B = psi.dimensions()[0];
+  d->N = n_quantiles;
+  if (psi.dimensions()[1] != hidden) return InvalidArgument("iqn_head: psi must be [B, hidden], got " + DimsToString(psi.dimensions()));
+  if (taus.dimensions()[0] != d->B || taus.dimensions()[1] != d->N) {
+    return InvalidArgument("iqn_head: taus must be [B, n_quantiles] = [" + std::to_string(d->B) + ", " +
+                           std::to_string(d->N) + "], got " + DimsToString(taus.dimensions()));
+  }
+  if (w.dimensions()[0] != ppad) {
+    return InvalidArgument("iqn_head: w must have " + std::to_string(ppad) + " floats, got " + DimsToString(w.dimensions()));
+  }
+  if (d->N < 1 || d->N > kMaxTileRows) return InvalidArgument("iqn_head: n_quantiles must be in [1, 64]");
+  if (d->B * d->N > 0x7fffffff) return InvalidArgument("iqn_head: B * n_quantiles must be < 2^31");
+  d->spt = kMaxTileRows / d->N;
+  d->tiles = CeilDiv(d->B, d->spt);
+  return ffi::Error::Success();
+}
+
+template <typename Kernel>
+ffi::Error PrepareSmem(Kernel kernel, int64_t bytes) {
+  if (bytes > static_cast<int64_t>(GetDeviceInfo().max_smem_optin)) {
+    return InvalidArgument("iqn_head: needs " + std::to_string(bytes) + " bytes of shared memory, the device allows " +
+                           std::to_string(GetDeviceInfo().max_smem_optin));
+  }
+  return AllowLargeSmem(reinterpret_cast<const void*>(kernel));
+}
+
+// FFI target jaxfox_iqn_head_fwd: (w [P], psi [B, H], taus [B, N]) -> z [B, N].
+ffi::Error IqnHeadFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> psi,
+                          ffi::Buffer<ffi::F32> taus, int64_t n_cos, int64_t hidden, int64_t n_quantiles,
+                          ffi::ResultBuffer<ffi::F32> z) {
+  ClearStaleCudaError();
+  return ByShape(n_cos, hidden, [&](auto kc, auto hc) -> ffi::Error {
+    constexpr int K = decltype(kc)::value, H = decltype(hc)::value;
+    using S = Layout<K, H, false>;
+    Dims d;
+    JAXFOX_RETURN_IF_ERROR(CheckInputs(w, psi, taus, n_cos, hidden, n_quantiles, S::kPpad, &d));
+    if (z->dimensions().size() != 2 || z->dimensions()[0] != d.B || z->dimensions()[1] != d.N) {
+      return InvalidArgument("iqn_head: z must be [B, N], got " + DimsToString(z->dimensions()));
+    }
+    if (d.B == 0) return ffi::Error::Success();
+    auto kernel = iqn_head_kernel<K, H, false, false>;
+    const int64_t bytes = int64_t{S::kTotal} * 4;
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem(kernel, bytes));
+    const int grid = static_cast<int>(std::min<int64_t>(d.tiles, std::max(1, GetDeviceInfo().sm_count)));
+    kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), psi.typed_data(), taus.typed_data(), nullptr,
+                                              static_cast<int>(d.B), static_cast<int>(d.N), static_cast<int>(d.spt),
+                                              static_cast<int>(d.tiles), z->typed_data(), nullptr, nullptr, nullptr);
+    return LastCudaError("iqn_head_fwd");
+  });
+}
+
+// FFI target jaxfox_iqn_head_bwd: (w, psi, taus, dz [B, N]) -> dw [P], d psi [B, H], d taus [B, N] or [0]
+// (not computed), and the workspaces partials [grid, P] and chunk partials [chunks * P] (or [0]).
+ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> psi,
+                          ffi::Buffer<ffi::F32> taus, ffi::Buffer<ffi::F32> dz, int64_t n_cos, int64_t hidden,
+                          int64_t n_quantiles, int64_t chunks, int64_t grid, ffi::ResultBuffer<ffi::F32> dw,
+                          ffi::ResultBuffer<ffi::F32> dpsi, ffi::ResultBuffer<ffi::F32> dtaus,
+                          ffi::ResultBuffer<ffi::F32> part, ffi::ResultBuffer<ffi::F32> ws) {
+  ClearStaleCudaError();
+  return ByShape(n_cos, hidden, [&](auto kc, auto hc) -> ffi::Error {
+    constexpr int K = decltype(kc)::value, H = decltype(hc)::value;
+    using S = Layout<K, H, true>;
+    Dims d;
+    JAXFOX_RETURN_IF_ERROR(CheckInputs(w, psi, taus, n_cos, hidden, n_quantiles, S::kPpad, &d));
+    auto same = [](const auto& buf, std::initializer_list<int64_t> want) {
+      auto dims = buf.dimensions();
+      if (dims.size() != want.size()) return false;
+      size_t i = 0;
+      for (int64_t v : want) {
+        if (dims[i++] != v) return false;
+      }
+      return true;
+    };
+    if (!same(dz, {d.B, d.N})) return InvalidArgument("iqn_head: dz must be [B, N], got " + DimsToString(dz.dimensions()));
+    if (!same(*dw, {S::kPpad})) return InvalidArgument("iqn_head: dw must be [P], got " + DimsToString(dw->dimensions()));
+    if (!same(*dpsi, {d.B, H})) return InvalidArgument("iqn_head: dpsi must be [B, H], got " + DimsToString(dpsi->dimensions()));
+    const bool want_taus = !same(*dtaus, {0});
+    if (want_taus && !same(*dtaus, {d.B, d.N})) {
+      return InvalidArgument("iqn_head: dtaus must be [B, N] or [0], got " + DimsToString(dtaus->dimensions()));
+    }
+    if (d.B == 0) {
+      cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * S::kPpad, stream);
+      return LastCudaError("iqn_head_bwd (B = 0)");
+    }
+    if (grid < 1 || grid > d.tiles || grid > 65535) {
+      return InvalidArgument("iqn_head: grid must be in [1, min(tiles = " + std::to_string(d.tiles) +
+                             ", 65535)], got " + std::to_string(grid));
+    }
+    if (!same(*part, {grid, S::kPpad})) {
+      return InvalidArgument("iqn_head: partials workspace must be [grid, P], got " + DimsToString(part->dimensions()));
+    }
+    if (chunks < 1 || chunks > grid) return InvalidArgument("iqn_head: chunks must be in [1, grid]");
+    const int64_t need = chunks > 1 ? chunks * S::kPpad : 0;
+    if (static_cast<int64_t>(ws->element_count()) < need) {
+      return InvalidArgument("iqn_head: workspace has " + std::to_string(ws->element_count()) + " elements, needs " +
+                             std::to_string(need));
+    }
+    auto kernel = want_taus ? iqn_head_kernel<K, H, true, true> : iqn_head_kernel<K, H, true, false>;
+    const int64_t bytes = int64_t{S::kTotal} * 4;
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem(kernel, bytes));
+    kernel<<<static_cast<int>(grid), kThreads, bytes, stream>>>(
+        w.typed_data(), psi.typed_data(), taus.typed_data(), dz.typed_data(), static_cast<int>(d.B),
+        static_cast<int>(d.N), static_cast<int>(d.spt), static_cast<int>(d.tiles), nullptr, dpsi->typed_data(),
+        want_taus ? dtaus->typed_data() : nullptr, part->typed_data());
+    JAXFOX_RETURN_IF_ERROR(LastCudaError("iqn_head_bwd"));
+    return LaunchReduceAxis0(stream, part->typed_data(), 1, grid, S::kPpad, chunks,
+                             chunks > 1 ? ws->typed_data() : nullptr, dw->typed_data());
+  });
+}
+
+}  // namespace
+}  // namespace jaxfox
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iqn_head_fwd, jaxfox::IqnHeadFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w [P]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // psi [B, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // taus [B, N]
+                                  .Attr<int64_t>("n_cos")
+                                  .Attr<int64_t>("hidden")
+                                  .Attr<int64_t>("n_quantiles")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // z [B, N]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iqn_head_bwd, jaxfox::IqnHeadBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w [P]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // psi [B, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // taus [B, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // dz [B, N]
+                                  .Attr<int64_t>("n_cos")
+                                  .Attr<int64_t>("hidden")
+                                  .Attr<int64_t>("n_quantiles")
+                                  .Attr<int64_t>("chunks")
+                                  .Attr<int64_t>("grid")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dw [P]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dpsi [B, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dtaus [B, N] or [0]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: per-block partials
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
+                              {xla::ffi::Traits::kCmdBufferCompatible});
