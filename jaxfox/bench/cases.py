@@ -324,6 +324,54 @@ def iql_pair_case(size: str) -> list[Variant]:
     return [Variant("iql_pair", f"fwd+bwd 2 x ({D} -> {H} -> 1) B={B}", setup, params=dict(s))]
 
 
+_IQN_SHAPES = {"small": dict(B=64, N=8, K=32, H=64), "default": dict(B=16384, N=32, K=64, H=128),
+               "large": dict(B=65536, N=32, K=64, H=128)}
+
+
+@register("iqn_head")
+def iqn_head_case(size: str) -> list[Variant]:
+    """jaxfox.iqn_head (the IQN quantile head: cosine embedding, W_phi + ReLU, Hadamard product with psi,
+    W_h + ReLU, output layer) at the aux trainer's shape: forward only, and forward+backward
+    (value_and_grad of sum(z * c) w.r.t. params and psi; taus not differentiated, as in IQN training).
+    jaxfox path: the fused kernels; reference: the XLA einsums (TF32 matmuls at default precision).
+    FLOPs: matmuls only, forward 2 B N (K H + H H + H); the backward recomputes the forward and adds
+    d m, d W_h (2 B N H H each) and d W_phi (2 B N K H).
+    """
+    import jaxfox
+
+    s = _IQN_SHAPES[size]
+    B, N, K, H = s["B"], s["N"], s["K"], s["H"]
+    R = B * N
+    fwd_flops = 2.0 * R * (K * H + H * H + H)
+    bwd_flops = 2 * fwd_flops + 2.0 * R * (2 * H * H + K * H)
+
+    def inputs():
+        params = jaxfox.iqn_head_init(jax.random.key(31), H, n_cos=K)
+        psi = jax.nn.relu(_normal(32, (B, H)))
+        taus = jax.random.uniform(jax.random.key(33), (B, N), jnp.float32)
+        return params, psi, taus, _normal(34, (B, N))
+
+    def setup_fwd():
+        params, psi, taus, _ = inputs()
+        builder = lambda: (lambda p, psi, taus: jaxfox.iqn_head(p, psi, taus))  # noqa: E731
+        return CaseSpec(builder, None, (params, psi, taus), None, fwd_flops)
+
+    def setup_bwd():
+        params, psi, taus, c = inputs()
+
+        def builder():
+            def op(p, psi, taus, c):
+                return jax.value_and_grad(lambda p, psi: jnp.sum(jaxfox.iqn_head(p, psi, taus) * c),
+                                          argnums=(0, 1))(p, psi)
+            return op
+
+        return CaseSpec(builder, None, (params, psi, taus, c), None, bwd_flops)
+
+    label = f"B={B} N={N} n_cos={K} H={H}"
+    return [Variant("iqn_head", "fwd " + label, setup_fwd, params=dict(s)),
+            Variant("iqn_head", "fwd+bwd " + label, setup_bwd, params=dict(s))]
+
+
 _GROUPED_SHAPES = {
     "small": [(64, 32, 16), (0, 8, 8), (33, 17, 5), (128, 64, 1)],
     "default": [(16384, 256, 128), (16384, 128, 64), (4096, 64, 51), (0, 32, 32), (1024, 512, 256)],
