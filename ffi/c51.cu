@@ -174,12 +174,7 @@ ffi::Error Launch(cudaStream_t stream, int64_t S, int64_t B, int D, int A, int N
                   const float* z, float* loss, float* delta) {
   const int nwarps = D < kMaxWarps ? D : kMaxWarps;
   const size_t smem = sizeof(float) * (static_cast<size_t>(nwarps) * 2 * N + D);
-  if (smem > 48 * 1024) {
-    JAXFOX_RETURN_IF_ERROR(AllowLargeSmem(reinterpret_cast<const void*>(&c51_loss_kernel<K>)));
-    if (smem > static_cast<size_t>(GetDeviceInfo().max_smem_optin)) {
-      return InvalidArgument("c51_loss: N and D need " + std::to_string(smem) + " bytes of shared memory");
-    }
-  }
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem("c51_loss", &c51_loss_kernel<K>, static_cast<int64_t>(smem)));
   c51_loss_kernel<K><<<static_cast<unsigned>(S), nwarps * 32, smem, stream>>>(B, D, A, N, lt, at, r, disc, tgt,
                                                                               onl, z, loss, delta);
   return LastCudaError("c51_loss");

@@ -92,6 +92,19 @@ inline void ClearStaleCudaError() { (void)cudaGetLastError(); }
 // Queried once per device (host-side attribute queries only: safe during graph capture).
 DeviceInfo GetDeviceInfo();
 
+// Checks that `bytes` of dynamic shared memory fit the device's opt-in limit (InvalidArgument naming `op`
+// otherwise) and lets `kernel` use them when they exceed the default 48 KiB.
+template <typename Kernel>
+ffi::Error PrepareSmem(const char* op, Kernel kernel, int64_t bytes) {
+  const int64_t limit = GetDeviceInfo().max_smem_optin;
+  if (bytes > limit) {
+    return InvalidArgument(std::string(op) + ": needs " + std::to_string(bytes) +
+                           " bytes of shared memory, the device allows " + std::to_string(limit));
+  }
+  if (bytes > 48 * 1024) return AllowLargeSmem(reinterpret_cast<const void*>(kernel));
+  return ffi::Error::Success();
+}
+
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Deterministic sum over axis 1 of x [V, B, P] -> out [V, P] (see reduce.cu for the order).

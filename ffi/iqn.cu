@@ -510,14 +510,6 @@ ffi::Error CheckInputs(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-template <typename Kernel>
-ffi::Error PrepareSmem(Kernel kernel, int64_t bytes) {
-  if (bytes > static_cast<int64_t>(GetDeviceInfo().max_smem_optin)) {
-    return InvalidArgument("iqn_head: needs " + std::to_string(bytes) + " bytes of shared memory, the device allows " +
-                           std::to_string(GetDeviceInfo().max_smem_optin));
-  }
-  return AllowLargeSmem(reinterpret_cast<const void*>(kernel));
-}
 
 // FFI target jaxfox_iqn_head_fwd: (w [P], psi [B, H], taus [B, N]) -> z [B, N].
 ffi::Error IqnHeadFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> psi,
@@ -535,7 +527,7 @@ ffi::Error IqnHeadFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
     if (d.B == 0) return ffi::Error::Success();
     auto kernel = iqn_head_kernel<K, H, false, false>;
     const int64_t bytes = int64_t{S::kTotal} * 4;
-    JAXFOX_RETURN_IF_ERROR(PrepareSmem(kernel, bytes));
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem("iqn_head", kernel, bytes));
     const int grid = static_cast<int>(std::min<int64_t>(d.tiles, std::max(1, GetDeviceInfo().sm_count)));
     kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), psi.typed_data(), taus.typed_data(), nullptr,
                                               static_cast<int>(d.B), static_cast<int>(d.N), static_cast<int>(d.spt),
@@ -592,7 +584,7 @@ ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
     }
     auto kernel = want_taus ? iqn_head_kernel<K, H, true, true> : iqn_head_kernel<K, H, true, false>;
     const int64_t bytes = int64_t{S::kTotal} * 4;
-    JAXFOX_RETURN_IF_ERROR(PrepareSmem(kernel, bytes));
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem("iqn_head", kernel, bytes));
     kernel<<<static_cast<int>(grid), kThreads, bytes, stream>>>(
         w.typed_data(), psi.typed_data(), taus.typed_data(), dz.typed_data(), static_cast<int>(d.B),
         static_cast<int>(d.N), static_cast<int>(d.spt), static_cast<int>(d.tiles), nullptr, dpsi->typed_data(),

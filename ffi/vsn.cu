@@ -575,15 +575,6 @@ ffi::Error CheckStack(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F32
   return ffi::Error::Success();
 }
 
-template <typename Kernel>
-ffi::Error PrepareSmem(Kernel kernel, int64_t bytes) {
-  if (bytes > static_cast<int64_t>(GetDeviceInfo().max_smem_optin)) {
-    return InvalidArgument("vsn: needs " + std::to_string(bytes) + " bytes of shared memory, the device allows " +
-                           std::to_string(GetDeviceInfo().max_smem_optin));
-  }
-  if (bytes > 48 * 1024) return AllowLargeSmem(reinterpret_cast<const void*>(kernel));
-  return ffi::Error::Success();
-}
 
 // FFI target jaxfox_vsn_grn_fwd: w [.., m, P], x [.., R, m, d] -> y [.., R, m, O] (all float32).
 ffi::Error VsnGrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x, int64_t hidden_size,
@@ -596,7 +587,7 @@ ffi::Error VsnGrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   if (D.V == 0 || D.R == 0 || D.m == 0) return ffi::Error::Success();
   const SmemLayout S = MakeSmemLayout(D.d, D.H, D.O, D.skip, false);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
-  JAXFOX_RETURN_IF_ERROR(PrepareSmem(vsn_grn_fwd_kernel, bytes));
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", vsn_grn_fwd_kernel, bytes));
   dim3 grid(static_cast<unsigned>(CeilDiv(D.R, kRowTile)), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
   vsn_grn_fwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), D, L, S, y->typed_data());
   return LastCudaError("vsn_grn_fwd");
@@ -639,7 +630,7 @@ ffi::Error VsnGrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   if (blocks > 0x7fffffff) return InvalidArgument("vsn: too many row tiles");
   const SmemLayout S = MakeSmemLayout(D.d, D.H, D.O, D.skip, true);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
-  JAXFOX_RETURN_IF_ERROR(PrepareSmem(vsn_grn_bwd_kernel, bytes));
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", vsn_grn_bwd_kernel, bytes));
   dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
   vsn_grn_bwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), dy.typed_data(), D, L, S,
                                                         static_cast<int>(tiles_per_block), dx->typed_data(),
