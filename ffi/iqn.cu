@@ -24,6 +24,9 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTileRows = 64;  // jaxfox/iqn.py _MAX_TILE_ROWS
 constexpr float kPi = 3.14159265358979323846f;
 
+// ReLU that keeps NaN (as XLA's max(x, 0) does): fmaxf(x, 0) would return 0 for a NaN and hide it.
+__device__ __forceinline__ float Relu(float x) { return x < 0.f ? 0.f : x; }
+
 __device__ __forceinline__ float Tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (r < 16 * row_frags) {
           float phi = 0.f, m = 0.f;
           if (r < rows) {
-            phi = fmaxf(pre[r * kLH + col] + bphi, 0.f);
+            phi = Relu(pre[r * kLH + col] + bphi);
             m = phi * sm[S::kHp + row_sample[r] * kLH + col];
           }
           if (kBackward) pre[r * kLH + col] = phi;
@@ -331,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                   const int cc = 16 * c0 + 8 * j + 2 * t4 + e;
-                  v = fmaf(fmaxf(acc.c[i][j][2 * half + e] + sm[S::kBh + cc], 0.f), sm[S::kWout + cc], v);
+                  v = fmaf(Relu(acc.c[i][j][2 * half + e] + sm[S::kBh + cc]), sm[S::kWout + cc], v);
                 }
               }
               v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -348,7 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int cw = 0; cw < RowT::kWcw; ++cw) v += zpart[tid * RowT::kWcw + cw];
         z[row0 + tid] = v + b_out;
       }
-      // no barrier: the next tile writes zpart (and everything this tile still reads) only after two more
+      // no barrier here: the next tile writes zpart (and everything else this tile still reads) only after
+      // three more barriers
     } else {
       // (d) the W_h product -> HP
       {
@@ -367,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float hp = *p + sm[S::kBh + col];
         const float g = sm[S::kDz + r];
         const float dh = hp > 0.f ? g * sm[S::kWout + col] : 0.f;
-        acc_dwout = fmaf(g, fmaxf(hp, 0.f), acc_dwout);
+        acc_dwout = fmaf(g, Relu(hp), acc_dwout);
         acc_dbh += dh;
         if (col == 0) acc_dbout += g;
         *p = Tf32(dh);

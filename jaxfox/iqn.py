@@ -24,8 +24,9 @@ precision, which the reference path uses; biases, ReLU, the Hadamard product and
 products are float32.
 
 The kernels cover H in {64, 128}, K (= n_cos) in {32, 64} and 1 <= N <= 64; other shapes run the
-reference on CUDA too, as do GPUs of compute capability below 9.0 (the kernels need 217 KiB of shared
-memory per block). Under ``jax.vmap`` the kernel runs once per instance (``vmap_method="sequential"``).
+reference on CUDA too, as do GPUs whose shared memory per block is smaller than the kernels' layout (up to
+220 KiB at n_cos = 64, H = 128: compute capability 9.0 and 10.x have 227 KiB; 8.0 fits only H = 64) and
+batches of 2^31 rows or more. Under ``jax.vmap`` the kernel runs once per instance (``vmap_method="sequential"``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ _PARAM_KEYS = ("w_phi", "b_phi", "w_h", "b_h", "w_out", "b_out")
 _KERNEL_H = (64, 128)      # hidden sizes with a kernel instantiation (ffi/iqn.cu)
 _KERNEL_K = (32, 64)       # n_cos values with a kernel instantiation
 _MAX_TILE_ROWS = 64        # kMaxTileRows: rows (sample quantiles) per tile
-_GRID_CTAS = 132           # kGridCtas: persistent blocks (the H200's SM count; fixed, so results do not
+_GRID_CTAS = 132           # backward grid (persistent blocks, passed as attr `grid`) (the H200's SM count; fixed, so results do not
                            # depend on the device)
 
 
@@ -108,7 +109,7 @@ def _reference(params, psi, taus):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel path. Flat parameter layout (ffi/iqn.cu ParamLayout): w_h [H*H], w_phi [K*H], b_phi [H], b_h [H],
+# Kernel path. Flat parameter layout (ffi/iqn.cu Layout): w_h [H*H], w_phi [K*H], b_phi [H], b_h [H],
 # w_out [H], b_out [1], zero-padded to a multiple of 8 floats (so that every block's partial row is
 # 32-byte aligned for the tensor-core stores).
 def _padded_size(K, H):
@@ -174,11 +175,29 @@ def _head_kernel_bwd(cfg, res, dz):
 _head_kernel.defvjp(_head_kernel_fwd, _head_kernel_bwd, symbolic_zeros=True)
 
 
+def _smem_bytes(K, H, backward):
+    """Dynamic shared memory of a kernel instantiation (ffi/iqn.cu Layout<K, H, backward>::kTotal floats)."""
+    lh, lk, lw = H + 4, K + 4, (H + 4 if backward else H + 8)
+    return 4 * ((H + K) * lw + _MAX_TILE_ROWS * lk + 3 * _MAX_TILE_ROWS * lh + 3 * H + 2 * _MAX_TILE_ROWS)
+
+
+# Opt-in shared memory per block by compute capability (CUDA programming guide, "Technical specifications"):
+# 8.0 / 8.7: 163 KiB; 9.0, 10.x: 227 KiB; the others of 8.x and 12.x: 99 KiB.
+def _smem_limit(cc):
+    if cc[0] in (9, 10):
+        return 227 * 1024
+    if cc in ((8, 0), (8, 7)):
+        return 163 * 1024
+    return 99 * 1024
+
+
 def _kernel_supported(cfg, B):
-    # the kernels hold ~217 KiB of shared memory per block (compute capability 9.0: 227 KiB; 8.0: 163 KiB)
-    cc = cuda_compute_capability()
-    return (cfg.hidden in _KERNEL_H and cfg.n_cos in _KERNEL_K and 1 <= cfg.n_quantiles <= _MAX_TILE_ROWS
-            and B >= 1 and (cc is None or cc >= (9, 0)))
+    if not (cfg.hidden in _KERNEL_H and cfg.n_cos in _KERNEL_K and 1 <= cfg.n_quantiles <= _MAX_TILE_ROWS
+            and 1 <= B and B * cfg.n_quantiles < 2**31):
+        return False
+    cc = cuda_compute_capability()  # None when no CUDA device is visible (tracing for CUDA elsewhere)
+    need = max(_smem_bytes(cfg.n_cos, cfg.hidden, b) for b in (False, True))
+    return cc is None or (cc >= (8, 0) and need <= _smem_limit(cc))
 
 
 def iqn_head(params, psi, taus):
@@ -196,8 +215,8 @@ def iqn_head(params, psi, taus):
 
     Differentiable in params, psi and taus: reverse mode (``jax.grad``, ``jax.vjp``) everywhere, through
     ``jax.custom_vjp`` over the forward and backward kernels on CUDA (which skip the taus gradient when
-    taus is not differentiated); forward mode (``jax.jvp``) and higher derivatives only off the kernel
-    path (autodiff of the reference). The kernels' products are TF32 (see the module docstring), as XLA's at default precision.
+    taus is not differentiated); forward mode (``jax.jvp``, ``jax.linearize``) and higher derivatives only
+    off the kernel path (autodiff of the reference). The kernels' products are TF32 (see the module docstring), as XLA's at default precision.
 
     Source: Dabney et al. 2018, "Implicit Quantile Networks for Distributional Reinforcement Learning",
     eq. (4) (cosine embedding from i = 0, see :func:`jaxfox.quantile_embedding`) and the Hadamard

@@ -5,7 +5,8 @@ Run on the GPU machine (tools/gpu_visit.sh phase ``sanitize:iqn``), e.g.:
     compute-sanitizer --tool racecheck python tests/gpu_sanitize_iqn.py
 Cases (B, N, K, H): (5, 24, 32, 64): 2 samples per tile, 3 tiles, the last one partial (one sample);
 (7, 17, 64, 128): 3 samples of 17 rows per tile (51 rows, not a multiple of 16), the last tile partial;
-(150, 32, 64, 128): 75 backward blocks, a chunked parameter-gradient reduction (reduce_chunks > 1).
+(150, 32, 64, 128): 75 backward blocks, a chunked parameter-gradient reduction (reduce_chunks > 1);
+(600, 32, 32, 128) and (1201, 16, 64, 64): more tiles than the 132 blocks, so blocks walk several tiles.
 Each runs the forward alone, and forward + backward with and without d taus, blocks until ready, and
 checks the values against the float64 NumPy oracle of tests/test_iqn.py (norm-wise relative error <= 5e-3 for z and
 every gradient, the TF32 tolerance). That tolerance holds only where TF32 rounding cannot move a pre-activation
@@ -79,6 +80,8 @@ def main() -> int:
     P = -(-(128 * 128 + 64 * 128 + 3 * 128 + 1) // 8) * 8
     assert reduce_chunks(min(-(-150 // 2), 132), P) > 1  # the next case takes the chunked reduction
     case(150, 32, 64, 128)     # 75 backward blocks, chunked parameter-gradient sum
+    case(600, 32, 32, 128)     # 300 tiles over 132 blocks: the next-tile prefetch and buffer reuse across tiles
+    case(1201, 16, 64, 64)     # 301 tiles over 132 blocks, K = 64 H = 64, partial last tile
     print("OK")
     return 0
 

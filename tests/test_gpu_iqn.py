@@ -447,6 +447,19 @@ def test_command_buffers_on_off_identical(tmp_path):
     assert_command_buffers_identical(_CMDBUF_SCRIPT, tmp_path)
 
 
+def test_nan_in_psi_propagates_to_its_sample_only():
+    """A NaN in psi[b] gives z[b, :] = NaN, as the reference (ReLU of NaN is NaN in XLA), and leaves the other
+    samples' z bitwise unchanged (rows are independent in the products)."""
+    params, psi, taus, _ = _typical_inputs(37, 32, 64, 128, seed=4)
+    bad = psi.at[3, 5].set(jnp.nan)
+    z_ok = _run(iqn_head, params, psi, taus, targets=(FWD,))
+    z_bad = _run(iqn_head, params, bad, taus, targets=(FWD,))
+    z_ref = _run(iqn_head, params, bad, taus, reference=True)
+    assert np.isnan(z_bad[3]).all() and np.isnan(z_ref[3]).all()
+    others = np.arange(37) != 3
+    assert np.array_equal(z_bad[others], z_ok[others])
+
+
 # ----------------------------------------------------------------------------------------------
 # Training: plain SGD on a small IQN regression through the kernels.
 def test_sgd_quantile_regression_loss_falls():

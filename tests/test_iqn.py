@@ -525,3 +525,20 @@ def test_aux_iqn_step_lowers_to_the_kernels(kernels_on):
     assert sorted(t for t, *_ in calls) == [BWD, FWD, FWD], [t for t, *_ in calls]
     (_, _, _, results), = [c for c in calls if c[0] == BWD]
     assert results[2] == "tensor<0xf32>" and results[1] == "tensor<64x128xf32>", results
+
+
+@pytest.mark.parametrize("cc,K,H,ok", [
+    ((9, 0), 64, 128, True), ((10, 0), 64, 128, True), ((8, 0), 64, 128, False), ((8, 0), 64, 64, True),
+    ((8, 6), 32, 64, True), ((8, 6), 64, 64, False), ((12, 0), 32, 128, False), ((7, 5), 32, 64, False)])
+def test_kernel_needs_the_shared_memory_of_its_layout(monkeypatch, cc, K, H, ok):
+    """The kernel path is taken only where the device's opt-in shared memory per block holds the kernels'
+    layout (ffi/iqn.cu Layout: 220 KiB at K=64 H=128, 105 KiB at K=64 H=64, 88 KiB at K=32 H=64)."""
+    monkeypatch.setattr(iqn_mod, "cuda_compute_capability", lambda: cc)
+    assert iqn_mod._kernel_supported(iqn_mod._Config(K, H, 32), 16) is ok
+    assert iqn_mod._smem_bytes(64, 128, False) == 225280 and iqn_mod._smem_bytes(64, 128, True) == 222208
+
+
+def test_kernel_not_used_for_2_to_the_31_rows(monkeypatch):
+    monkeypatch.setattr(iqn_mod, "cuda_compute_capability", lambda: (9, 0))
+    assert iqn_mod._kernel_supported(iqn_mod._Config(64, 128, 32), 2**26 - 1)
+    assert not iqn_mod._kernel_supported(iqn_mod._Config(64, 128, 32), 2**26)
