@@ -169,3 +169,6 @@ def test_notebook_executes(tmp_path, monkeypatch):
     _, text = execute_notebook("aux.ipynb", tmp_path, monkeypatch, {"JAXFOX_NB_SMALL": "1"})
     assert "max |grouped - per-group dot|" in text
     assert "aux losses" in text
+    import re
+    m = re.search(r"max \|iqn_head - by hand\| = ([0-9.e+-]+)", text)
+    assert m and float(m.group(1)) < 1e-5, text[-2000:]
