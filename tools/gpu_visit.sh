@@ -61,7 +61,11 @@ for phase in "$@"; do
             t=$(left)
             if [ "$t" -le 20 ]; then echo "== $tool $script: SKIPPED (budget spent)" >>"$log"; rc=1; continue; fi
             echo "== $tool $script" >>"$log"
-            (cd /tmp && timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 3 python3 "$repo/$script") >>"$log" 2>&1 || rc=1
+            # JAXFOX_SANITIZE_ARGS: extra compute-sanitizer options, e.g. "--kernel-name kns=vsn_grn" (only the
+            # kernels whose name contains vsn_grn are instrumented)
+            # shellcheck disable=SC2086
+            (cd /tmp && timeout "$t" compute-sanitizer --tool "$tool" ${JAXFOX_SANITIZE_ARGS:-} --error-exitcode 3 \
+              python3 "$repo/$script") >>"$log" 2>&1 || rc=1
           done
         done
       done
