@@ -42,18 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
+from jaxfox._validate import positive_int as _positive_int
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["attention_pool_init", "attention_pool"]
 
 _PARAM_KEYS = ("q", "w_k", "w_v", "w_o", "b_o")
 _HS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def _positive_int(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
 
 
 def _check_heads(hidden_size, num_heads):

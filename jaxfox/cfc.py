@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match
-from jaxfox._validate import check_array as _check_array
+from jaxfox._validate import check_array as _check_array, positive_int as _positive_int
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
@@ -53,12 +53,6 @@ def lecun_tanh(x):
 def _check_mode(mode):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-
-
-def _positive_int(name, value, minimum=1):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def cfc_init(key, input_size, hidden_size, *, backbone_units=128, backbone_layers=1, mode="default",

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._validate import check_array as _check_array
+from jaxfox._validate import check_array as _check_array, positive_int as _positive_int
 
 __all__ = ["grn_init", "grn", "layer_norm"]
 
@@ -40,12 +40,6 @@ _REQUIRED = ("w2", "b2", "w1", "b1", "w4", "b4", "w5", "b5", "gamma", "beta")
 
 # ----------------------------------------------------------------------------------------------
 # Parameters.
-def _positive_int(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def grn_init(key, input_size, hidden_size, output_size, *, context_size=None, dtype=jnp.float32):
     """Parameters of a GRN, initialised as google-research TFT (Keras defaults).
 

@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call
+from jaxfox._validate import positive_int as _positive_int
 
 __all__ = [
     "PERState", "init", "add", "sample", "sample_items", "update", "probabilities", "prefix_sum",
@@ -77,12 +78,6 @@ class PERState(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------
 # Validation helpers (raise before anything runs; messages name the argument).
-def _positive_int(name, value, minimum=1):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 

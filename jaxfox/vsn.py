@@ -36,8 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._validate import positive_int as _positive_int
 from jaxfox.grn import (
-    _check_context, _check_eps, _check_input, _common_dtype, _grn_reference, _grn_sizes, _positive_int, grn_init,
+    _check_context, _check_eps, _check_input, _common_dtype, _grn_reference, _grn_sizes, grn_init,
     layer_norm,
 )
 from jaxfox.reduce import reduce_chunks
