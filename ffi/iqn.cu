@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int r = warp; r < rows; r += kWarps) {
           const float x = kPi * taus[row0 + r];
           float s = 0.f;
-  #pragma unroll
+#pragma unroll
           for (int k = lane; k < K; k += 32) {
             const float kf = static_cast<float>(k);
             s = fmaf(sm[S::kCos + r * kLK + k] * -sinf(x * kf), kf * kPi, s);
@@ -499,13 +499,16 @@ ffi::Error CheckInputs(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F3
   }
   d->B = psi.dimensions()[0];
   d->N = n_quantiles;
-  if (psi.dimensions()[1] != hidden) return InvalidArgument("iqn_head: psi must be [B, hidden], got " + DimsToString(psi.dimensions()));
+  if (psi.dimensions()[1] != hidden) {
+    return InvalidArgument("iqn_head: psi must be [B, hidden], got " + DimsToString(psi.dimensions()));
+  }
   if (taus.dimensions()[0] != d->B || taus.dimensions()[1] != d->N) {
     return InvalidArgument("iqn_head: taus must be [B, n_quantiles] = [" + std::to_string(d->B) + ", " +
                            std::to_string(d->N) + "], got " + DimsToString(taus.dimensions()));
   }
   if (w.dimensions()[0] != ppad) {
-    return InvalidArgument("iqn_head: w must have " + std::to_string(ppad) + " floats, got " + DimsToString(w.dimensions()));
+    return InvalidArgument("iqn_head: w must have " + std::to_string(ppad) + " floats, got " +
+                           DimsToString(w.dimensions()));
   }
   if (d->N < 1 || d->N > kMaxTileRows) return InvalidArgument("iqn_head: n_quantiles must be in [1, 64]");
   if (d->B * d->N > 0x7fffffff) return InvalidArgument("iqn_head: B * n_quantiles must be < 2^31");
@@ -562,9 +565,12 @@ ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
       }
       return true;
     };
-    if (!same(dz, {d.B, d.N})) return InvalidArgument("iqn_head: dz must be [B, N], got " + DimsToString(dz.dimensions()));
-    if (!same(*dw, {S::kPpad})) return InvalidArgument("iqn_head: dw must be [P], got " + DimsToString(dw->dimensions()));
-    if (!same(*dpsi, {d.B, H})) return InvalidArgument("iqn_head: dpsi must be [B, H], got " + DimsToString(dpsi->dimensions()));
+    auto wrong = [](const char* what, const auto& buf) {
+      return InvalidArgument(std::string("iqn_head: ") + what + ", got " + DimsToString(buf.dimensions()));
+    };
+    if (!same(dz, {d.B, d.N})) return wrong("dz must be [B, N]", dz);
+    if (!same(*dw, {S::kPpad})) return wrong("dw must be [P]", *dw);
+    if (!same(*dpsi, {d.B, H})) return wrong("dpsi must be [B, H]", *dpsi);
     const bool want_taus = !same(*dtaus, {0});
     if (want_taus && !same(*dtaus, {d.B, d.N})) {
       return InvalidArgument("iqn_head: dtaus must be [B, N] or [0], got " + DimsToString(dtaus->dimensions()));

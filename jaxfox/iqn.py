@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match
-from jaxfox._validate import check_array
+from jaxfox._validate import check_array, positive_int as _positive_int
 from jaxfox.losses import quantile_embedding
 from jaxfox.reduce import reduce_chunks
 
@@ -49,8 +49,8 @@ _PARAM_KEYS = ("w_phi", "b_phi", "w_h", "b_h", "w_out", "b_out")
 _KERNEL_H = (64, 128)      # hidden sizes with a kernel instantiation (ffi/iqn.cu)
 _KERNEL_K = (32, 64)       # n_cos values with a kernel instantiation
 _MAX_TILE_ROWS = 64        # kMaxTileRows: rows (sample quantiles) per tile
-_GRID_CTAS = 132           # backward grid (persistent blocks, passed as attr `grid`) (the H200's SM count; fixed, so results do not
-                           # depend on the device)
+_GRID_CTAS = 132           # backward grid, attr `grid` (persistent blocks: the H200's SM count, fixed so
+                           # that the gradients' summation order does not depend on the device)
 
 
 class _Config(NamedTuple):
@@ -75,12 +75,6 @@ def iqn_head_init(key, hidden_size, *, n_cos=64):
     return {"w_phi": he(k[0], K, H), "b_phi": jnp.zeros((H,), jnp.float32),
             "w_h": he(k[1], H, H), "b_h": jnp.zeros((H,), jnp.float32),
             "w_out": he(k[2], H, 1) * np.float32(0.1), "b_out": jnp.zeros((1,), jnp.float32)}
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
 
 
 def _check_params(params):
@@ -112,17 +106,10 @@ def _reference(params, psi, taus):
 # Kernel path. Flat parameter layout (ffi/iqn.cu Layout): w_h [H*H], w_phi [K*H], b_phi [H], b_h [H],
 # w_out [H], b_out [1], zero-padded to a multiple of 8 floats (so that every block's partial row is
 # 32-byte aligned for the tensor-core stores).
-def _padded_size(K, H):
-    P = H * H + K * H + 3 * H + 1
-    return -(-P // 8) * 8
-
-
-def _flatten(params, K, H):
-    parts = [params["w_h"].reshape(-1), params["w_phi"].reshape(-1), params["b_phi"], params["b_h"],
-             params["w_out"].reshape(-1), params["b_out"]]
-    P = H * H + K * H + 3 * H + 1
-    pad = _padded_size(K, H) - P
-    return jnp.concatenate(parts + [jnp.zeros((pad,), jnp.float32)])
+def _flatten(params):
+    flat = jnp.concatenate([params["w_h"].reshape(-1), params["w_phi"].reshape(-1), params["b_phi"],
+                            params["b_h"], params["w_out"].reshape(-1), params["b_out"]])
+    return jnp.pad(flat, (0, -flat.shape[0] % 8))
 
 
 def _tiles(B, N):
@@ -216,7 +203,8 @@ def iqn_head(params, psi, taus):
     Differentiable in params, psi and taus: reverse mode (``jax.grad``, ``jax.vjp``) everywhere, through
     ``jax.custom_vjp`` over the forward and backward kernels on CUDA (which skip the taus gradient when
     taus is not differentiated); forward mode (``jax.jvp``, ``jax.linearize``) and higher derivatives only
-    off the kernel path (autodiff of the reference). The kernels' products are TF32 (see the module docstring), as XLA's at default precision.
+    off the kernel path (autodiff of the reference). The kernels' products are TF32 (see the module
+    docstring), as XLA's at default precision.
 
     Source: Dabney et al. 2018, "Implicit Quantile Networks for Distributional Reinforcement Learning",
     eq. (4) (cosine embedding from i = 0, see :func:`jaxfox.quantile_embedding`) and the Hadamard
@@ -237,6 +225,6 @@ def iqn_head(params, psi, taus):
         return _reference(params, psi, taus)
 
     def kernel(params, psi, taus):
-        return _head_kernel(cfg, _flatten(params, K, H), psi, taus)
+        return _head_kernel(cfg, _flatten(params), psi, taus)
 
     return dispatch(kernel, _reference, params, psi, taus, batch=(False, True, True))
