@@ -64,7 +64,8 @@ def iqn_head_init(key, hidden_size, *, n_cos=64):
 
     Returns ``{"w_phi": [n_cos, H], "b_phi": [H], "w_h": [H, H], "b_h": [H], "w_out": [H, 1],
     "b_out": [1]}`` float32, weights as [in, out]. ``w_out`` is scaled by 0.1 so that the initial
-    quantiles are small.
+    quantiles are small. He-normal: N(0, 2 / fan_in) (He et al. 2015, "Delving Deep into Rectifiers",
+    eq. 10), as ``jaxfox.models.aux`` initialises its other ReLU layers.
 
     Raises: ValueError if hidden_size or n_cos is not an int >= 1.
     """
