@@ -779,7 +779,7 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
         for (int par = 0; par < 2; ++par) {
           const uint32_t bar = mbar0 + 8 * (2 * e + par);
           MbarInit(bar);
-          if (par < T) MbarExpect(bar, kind_bytes(e));
+          if (par < T && kind_bytes(e) > 0) MbarExpect(bar, kind_bytes(e));
         }
       MbarInitFence();
     }
@@ -823,12 +823,18 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
   };
   // Waits for exchange e of step n (n counts steps from the end), re-arms its mbarrier for step
   // n + 2, and holds every thread until the whole CTA is past the exchange (so `red` and the
-  // vectors the partials were computed from can be overwritten).
+  // vectors the partials were computed from can be overwritten). A CTA that owns no entry of an
+  // exchange (C > H, U or I: empty slices) receives nothing and never touches that mbarrier: a
+  // zero-byte phase completes at the re-arm itself, so two phases would complete back to back and a
+  // thread still polling the parity of the first would wait for a third that never comes (a hang,
+  // seen with C = 8, H = 33, U = 17, I = 7).
   auto receive = [&](int e, int n) {
     if constexpr (C > 1) {
-      const uint32_t bar = mbar0 + 8 * (2 * e + (n & 1));
-      MbarWait(bar, (n >> 1) & 1);
-      if (tid == 0 && n + 2 < T) MbarExpect(bar, kind_bytes(e));
+      if (kind_bytes(e) > 0) {
+        const uint32_t bar = mbar0 + 8 * (2 * e + (n & 1));
+        MbarWait(bar, (n >> 1) & 1);
+        if (tid == 0 && n + 2 < T) MbarExpect(bar, kind_bytes(e));
+      }
     }
     __syncthreads();
   };
@@ -1093,10 +1099,15 @@ int64_t SmemBytes(const CfcDims& d) {
 
 // Cluster size, a function of the sizes and the device only (never of the batch), so a sample's
 // result is bitwise the same whatever batch it is in: the smallest C whose weight slices fit in
-// shared memory, raised to kPreferredCluster (shorter per-step chains; C = 4 measured fastest for
+// shared memory, raised towards kPreferredCluster (shorter per-step chains; C = 4 measured fastest for
 // I=48, H=U=128 on the H200: 2.69 ms fwd+bwd at B=32, T=256, against 4.76 ms for C = 2 and 3.51 ms
-// for C = 8). JAXFOX_CFC_CLUSTER=1|2|4|8 overrides (tuning).
+// for C = 8) while each CTA keeps at least kMinSliceHidden hidden units: below that the cluster
+// exchanges cost more than the shorter chains save (tools/cfc_cluster_sweep.py, B=32 T=64 I=32 U=64,
+// fwd+bwd us for C = 1 / 2 / 4: H=32 288 / 361 / 377, H=64 317 / 327 / 394, H=128 526 / 363 / 440; the
+// rule picks 1, 2, 4: H=128 gets C=4, the bench shape's best, not this sweep's C=2, and H=64 C=2, 3 %
+// slower than C=1; a threshold of 64 would flip both). JAXFOX_CFC_CLUSTER=1|2|4|8 overrides (tuning).
 constexpr int kPreferredCluster = 4;
+constexpr int kMinSliceHidden = 32;
 
 ffi::Error ChooseCluster(CfcDims* d) {
   const DeviceInfo info = GetDeviceInfo();
@@ -1133,7 +1144,9 @@ ffi::Error ChooseCluster(CfcDims* d) {
       SetSlices(d, chosen);
       d->smem_w = 0;
     } else {
-      while (chosen < kPreferredCluster && limit_ok(chosen * 2)) chosen *= 2;
+      while (chosen < kPreferredCluster && CeilDiv(d->H, chosen * 2) >= kMinSliceHidden && limit_ok(chosen * 2)) {
+        chosen *= 2;
+      }
       SetSlices(d, chosen);
       d->smem_w = 1;
     }

@@ -403,9 +403,11 @@ _PATH_CASES = {
     "cluster1": ({"JAXFOX_CFC_CLUSTER": "1"}, _SMALL_CASES),
     "cluster2": ({"JAXFOX_CFC_CLUSTER": "2"}, _SMALL_CASES),
     "cluster8": ({"JAXFOX_CFC_CLUSTER": "8"}, _SMALL_CASES),
-    # H = 1 (cluster of 1 by default) and weights of ~5 MB (no cluster size fits them in shared memory).
+    # H = 1 (cluster of 1 by default), weights of ~5 MB (no cluster size fits them in shared memory), the main
+    # job's CfC (I=32 H=32 U=64: one CTA per sample, register forward) and H=64 (a cluster of 2).
     "default_choice": ({}, [("default", 1, (3, 6, 4, 1, 5)), ("pure", 0, (2, 5, 3, 1, 8)),
-                           ("default", 1, (2, 4, 16, 512, 512))]),
+                           ("default", 1, (2, 4, 16, 512, 512)), ("default", 1, (32, 64, 32, 32, 64)),
+                           ("no_gate", 1, (5, 16, 32, 64, 64))]),
 }
 _REG_CASES = [("default", 1, (4, 9, 16, 64, 40)), ("pure", 1, (3, 7, 7, 33, 17)), ("no_gate", 0, (2, 5, 300, 20, 8)),
               ("default", 1, (2, 5, 270, 16, 24)), ("default", 1, (8, 16, 32, 32, 64)), ("pure", 0, (3, 6, 5, 9, 8))]
