@@ -62,7 +62,7 @@ struct Layout {
   int task, task_ld;                           // per-product work tables (int4), task_ld int4 per product
   int mbar;                                    // 2 mbarriers per exchange kind (C > 1)
   int z, act;                                  // forward buffers
-  int recv, dph, dpb, dts, actb;               // backward buffers
+  int recv, dph, dpb, dts, tok, actb;          // backward buffers
   int total;
   int ldb, ldh, recv_slot;
 };
@@ -113,6 +113,7 @@ inline Layout MakeLayout(const CfcDims& d, bool bwd) {
     s.dph = o; o += Align4(d.nh * d.Hc);
     s.dpb = o; o += Align4(d.Uc);
     s.dts = o; o += Align4(2 * d.C);
+    s.tok = o; o += Align4(2 * d.C);
     s.actb = o; o += Align4(d.L * d.Uc);
   }
   s.total = o;
@@ -768,9 +769,16 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
 
   // Exchange kind e lands in recv(e, par, src, idx) = sm[lay.recv + ((e * 2 + par) * C + src) * slot + idx].
   auto zspace = [&](int e) { return e == L; };  // the last exchange of a step is the input layer's
+  // Bytes exchange e brings to this CTA: C partials of each entry it owns, the C dts partials at rank 0
+  // (e = 0), and in the z-space exchange one token from every CTA. The tokens keep the cluster in
+  // lockstep: a CTA that owns no entry at all (empty slices when C > H, U or I) would otherwise wait for
+  // nothing, run steps ahead and overwrite receive buffers (and mbarrier phases) still in use elsewhere
+  // (a hang, seen with C = 8, H = 33, U = 17, I = 7). Every other exchange is then behind a full exchange
+  // of the previous step, so one that brings a CTA no bytes is skipped (a zero-byte phase would complete
+  // at its own re-arm, two phases back to back, and a thread still polling the first parity would hang).
   auto kind_bytes = [&](int e) {
     const int owned = zspace(e) ? s.Ice + Hce : s.Uce;
-    return uint32_t(4 * (C * owned + (e == 0 && c == 0 ? C : 0)));
+    return uint32_t(4 * (C * owned + (e == 0 && c == 0 ? C : 0) + (zspace(e) ? C : 0)));
   };
   const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
   if constexpr (C > 1) {
@@ -814,6 +822,11 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
     const int2 od = k == tid ? (zs ? dst_z0 : dst_u0) : k == tid + kNT ? (zs ? dst_z1 : dst_u1) : dest(zs, k);
     put(od.x, lay.recv + ((e * 2 + par) * C + c) * slot + od.y, v, e, par);
   };
+  auto send_tokens = [&](int par) {  // this CTA's token of the z-space exchange to every CTA (kind_bytes)
+    if constexpr (C > 1) {
+      if (tid < C) put(tid, lay.tok + par * C + c, 0.f, L, par);
+    }
+  };
   auto gather = [&](int e, int par, int idx) {  // fixed order over source CTAs
     const float* r = sm + lay.recv + (e * 2 + par) * C * slot + idx;
     float v = r[0];
@@ -823,11 +836,7 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
   };
   // Waits for exchange e of step n (n counts steps from the end), re-arms its mbarrier for step
   // n + 2, and holds every thread until the whole CTA is past the exchange (so `red` and the
-  // vectors the partials were computed from can be overwritten). A CTA that owns no entry of an
-  // exchange (C > H, U or I: empty slices) receives nothing and never touches that mbarrier: a
-  // zero-byte phase completes at the re-arm itself, so two phases would complete back to back and a
-  // thread still polling the parity of the first would wait for a third that never comes (a hang,
-  // seen with C = 8, H = 33, U = 17, I = 7).
+  // vectors the partials were computed from can be overwritten). See kind_bytes for the skip.
   auto receive = [&](int e, int n) {
     if constexpr (C > 1) {
       if (kind_bytes(e) > 0) {
@@ -936,6 +945,7 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
       __syncthreads();
       const int K = d.Kh, nsplit = tab[0].z;
       for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, nsplit, k), 0, par);
+      if (L == 0) send_tokens(par);
       if (own_h) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) if (q < nq) dpre_h[row * d.NH + q * H + j] = dph[q * Hce + tid];
@@ -963,6 +973,7 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
       __syncthreads();
       const int K = d.Kl(l), nsplit = tab[0].z;
       for (int k = tid; k < K; k += kNT) send(k, SumSplits(red, K, nsplit, k), 1 + i, par);
+      if (1 + i == L) send_tokens(par);
       for (int o = tid; o < s.Uce; o += kNT) dpre_bb[row * L * U + l * U + s.u0 + o] = dpb[o];
       receive(1 + i, n);
     }
@@ -998,9 +1009,9 @@ cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const floa
                  float* __restrict__ partials) {
   __shared__ __align__(16) float As[kTT][kTile];
   __shared__ __align__(16) float Ds[kTT][kTile];
-  const int64_t sb = blockIdx.y;
+  const int64_t sb = blockIdx.x;  // samples on x (up to 2^31 - 1), output tiles on y
   const int ntn = (g.N + kTile - 1) / kTile;
-  const int k_base = (blockIdx.x / ntn) * kTile, n_base = (blockIdx.x % ntn) * kTile;
+  const int k_base = (blockIdx.y / ntn) * kTile, n_base = (blockIdx.y % ntn) * kTile;
   const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
   const int T = int(d.T), I = d.I, H = d.H;
   float acc[4][4] = {};
@@ -1160,6 +1171,9 @@ ffi::Error ChooseCluster(CfcDims* d) {
 
 template <typename Kernel, typename... Args>
 ffi::Error LaunchCluster(Kernel kernel, int C, int64_t samples, int64_t smem, cudaStream_t stream, Args... args) {
+  if (samples * C > 0x7fffffff) {
+    return InvalidArgument("cfc: " + std::to_string(samples) + " samples exceed the grid (at most 2^31 - 1 CTAs)");
+  }
   if (smem > 48 * 1024) JAXFOX_RETURN_IF_ERROR(AllowLargeSmem(reinterpret_cast<const void*>(kernel)));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(samples * C));
@@ -1297,6 +1311,14 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
     cudaMemsetAsync(dh0->typed_data(), 0, sizeof(float) * S * d.H, stream);
     return LastCudaError("cfc_bwd (T = 0)");
   }
+  // Weight-gradient grids (below): samples on x, output tiles on y (<= 65535), checked before any launch.
+  for (int l = 0; l <= d.L; ++l) {
+    const int64_t K = l < d.L ? d.Kl(l) : d.Kh, N = l < d.L ? d.U : d.NH;
+    if (CeilDiv(K + 1, kTile) * CeilDiv(N, kTile) > 65535) {
+      return InvalidArgument("cfc_bwd: weight matrix " + std::to_string(K) + " x " + std::to_string(N) +
+                             " too large for the weight-gradient grid");
+    }
+  }
   d.B = B; d.T = T; d.V = V;
   JAXFOX_RETURN_IF_ERROR(ChooseCluster(&d));
   const Layout lay = MakeLayout(d, true);
@@ -1314,10 +1336,9 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   // Weight-gradient partials, one launch per matrix (its bias is the extra row K).
   auto gemm = [&](GradGemm g, const float* dsrc) {
     const int tiles = int(CeilDiv(g.K + 1, kTile) * CeilDiv(g.N, kTile));
-    dim3 grid(tiles, static_cast<unsigned>(S));
+    dim3 grid(static_cast<unsigned>(S), tiles);
     cfc_wgrad_kernel<<<grid, 256, 0, stream>>>(d, g, px, h0.typed_data(), hs.typed_data(), pa, dsrc, part);
   };
-  if (S > 65535) return InvalidArgument("cfc_bwd: more than 65535 samples in one call");
   for (int l = 0; l < d.L; ++l) {
     gemm(GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l]}, gbb);
   }

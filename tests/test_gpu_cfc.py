@@ -123,6 +123,18 @@ def test_kernel_matches_reference(mode, L, size):
     assert rel_err(hs_k, want) <= TOL and rel_err(hs_r, want) <= TOL
 
 
+def test_more_than_65535_samples():
+    # The weight-gradient grid holds the samples on its x axis (a y axis stops at 65535): a batch past that
+    # limit gives the reference's gradients, and every sample's share reaches the parameter gradient.
+    params, xs, ts, h0, cot = _case("default", 1, (65536 + 37, 3, 2, 3, 4), seed=5)
+    hs_k, (dp_k, dx_k, dt_k, dh_k) = run_kernel(_fwd_bwd_fn("default"), params, xs, ts, h0, cot)
+    hs_r, (dp_r, dx_r, dt_r, dh_r) = run_reference(_fwd_bwd_fn("default"), params, xs, ts, h0, cot)
+    assert_rel(hs_k, hs_r, TOL, "hs")
+    assert_rel(dp_k, dp_r, 1e-4, "dparams")  # sums over 65573 samples: summation order differs
+    assert_rel(dx_k, dx_r, TOL, "dxs")
+    assert_rel(dh_k, dh_r, TOL, "dh0")
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ts_kind", ["zero", "scalar", "per_sample"])
 def test_kernel_ts_forms(mode, ts_kind):
