@@ -17,8 +17,9 @@
 //   dW2 = x^T da2, dW1 = e2^T de1, dW4 = e1^T dg4, dW5 = e1^T dg5, dWs = x^T dz, db* = column sums,
 //   dgamma = sum dy zhat, dbeta = sum dy    (sums over the rows)
 //
-// Kernels: one CTA of 256 threads per (tile of 64 rows, variable j, instance v); the variable's
-// weights are staged in shared memory once per CTA (row stride N + 1, odd, so that the transposed
+// Kernels: CTAs of 256 threads per (run of consecutive 64-row tiles, variable j, instance v); the
+// variable's weights are staged in shared memory once per CTA (the forward's runs are sized so that the
+// grid is about one wave) (row stride N + 1, odd, so that the transposed
 // products of the backward read them without bank conflicts), activations are kept k-major
 // ([width][kTRp] floats) so each thread reads 4 rows with one float4. Every product is a small
 // register-tiled GEMM: thread (rg, cl) computes rows 4 rg .. 4 rg + 3 and columns cl, cl + 16.
@@ -30,6 +31,7 @@
 // partials are summed over the CTAs by LaunchReduceAxis0 (reduce.cu's fixed order) in the same
 // handler. No atomics: bitwise deterministic, and a row's outputs do not depend on the other rows.
 // Widths are limited to d, H, O <= kMaxWidth (jaxfox/vsn.py runs the XLA reference otherwise).
+#include <algorithm>
 #include <cmath>
 
 #include "common.h"
@@ -261,13 +263,15 @@ __device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, cons
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 3)
+constexpr int kFwdBlocksPerSm = 3;  // the forward's launch bound
+
+__global__ void __launch_bounds__(kThreads, kFwdBlocksPerSm)
 vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, const __grid_constant__ StackDims D,
-                   const __grid_constant__ ParamLayout L, const __grid_constant__ SmemLayout S, float* __restrict__ y) {
+                   const __grid_constant__ ParamLayout L, const __grid_constant__ SmemLayout S, int tiles_per_block,
+                   float* __restrict__ y) {
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int64_t j = blockIdx.y, v = blockIdx.z;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowTile;
   const int d = D.d, H = D.H, O = D.O;
   const float* wj = w + (v * D.m + j) * D.P;
   StageMatrix(sm + S.w2, wj + L.w2, d, H);
@@ -285,19 +289,26 @@ vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   StageVector(sm + S.gamma, wj + L.gamma, O);
   StageVector(sm + S.beta, wj + L.beta, O);
   const int rg = threadIdx.x >> 4, cl = threadIdx.x & 15, r0 = 4 * rg;
-  TileFwd t;
-  ForwardTile(sm, S, x + v * D.R * D.m * d, row0, D, j, r0, cl, t);
+  const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
   float* yv = y + v * D.R * D.m * O;
+  for (int tt = 0; tt < tiles_per_block; ++tt) {
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
+    if (tile >= tiles) break;
+    const int64_t row0 = tile * kRowTile;
+    TileFwd t;
+    ForwardTile(sm, S, x + v * D.R * D.m * d, row0, D, j, r0, cl, t);
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int col = cl + 16 * c;
-    if (col >= O) continue;
-    const float g = sm[S.gamma + col], b = sm[S.beta + col];
+    for (int c = 0; c < 2; ++c) {
+      const int col = cl + 16 * c;
+      if (col >= O) continue;
+      const float g = sm[S.gamma + col], b = sm[S.beta + col];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t row = row0 + r0 + i;
-      if (row < D.R) yv[(row * D.m + j) * O + col] = fmaf(t.zhat[i][c], g, b);
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = row0 + r0 + i;
+        if (row < D.R) yv[(row * D.m + j) * O + col] = fmaf(t.zhat[i][c], g, b);
+      }
     }
+    __syncthreads();  // the next tile's LoadX overwrites x, which this tile's skip path read
   }
 }
 
@@ -588,8 +599,16 @@ ffi::Error VsnGrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   const SmemLayout S = MakeSmemLayout(D.d, D.H, D.O, D.skip, false);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
   JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", vsn_grn_fwd_kernel, bytes));
-  dim3 grid(static_cast<unsigned>(CeilDiv(D.R, kRowTile)), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
-  vsn_grn_fwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), D, L, S, y->typed_data());
+  // Row tiles per CTA: enough that the grid is about one wave of kFwdBlocksPerSm CTAs an SM, so each CTA
+  // stages its variable's weights once for several tiles (a row's result does not depend on the tiling).
+  const int64_t tiles = CeilDiv(D.R, kRowTile);
+  const int64_t slots = std::max<int64_t>(1, int64_t(GetDeviceInfo().sm_count) * kFwdBlocksPerSm);
+  const int64_t per = std::max<int64_t>(1, CeilDiv(tiles * D.m * D.V, slots));
+  const int64_t blocks = CeilDiv(tiles, std::min(per, tiles));
+  if (blocks > 0x7fffffff) return InvalidArgument("vsn: too many row tiles");
+  dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
+  vsn_grn_fwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), D, L, S,
+                                                        static_cast<int>(CeilDiv(tiles, blocks)), y->typed_data());
   return LastCudaError("vsn_grn_fwd");
 }
 
