@@ -215,9 +215,16 @@ def test_bfloat16_xs():
 
 @pytest.mark.parametrize("name", ["main", "r37_m3_d5_h17_o9", "widest_d31_h32_o32"])
 def test_random_normal_params(name):
-    """Every parameter N(0, 1) (no init structure): large pre-activations, saturated sigmoids and ELUs."""
+    """Every parameter N(0, 1) (no init structure): large pre-activations, saturated sigmoids and ELUs.
+
+    The kernels' own outputs and parameter gradients keep the 1e-5 bound. The selection GRN (XLA code on both
+    paths) and d xs (which it reaches) get 5e-5: their cotangent passes the softmax backward, whose cancellation
+    at these saturated weights amplifies the kernels' ~5e-7 output differences (H200, main case: up to 2.9e-5
+    for d selection.b5 and 1.04e-5 for d xs, the same before and after the forward kernel looped over row tiles)."""
     p, xs, c, step, _ = _case(name, seed=2, kind="normal", scale=1.0)
-    _compare(_run(step, p, xs, c), _run(step, p, xs, c, reference=True))
+    got, want = _run(step, p, xs, c), _run(step, p, xs, c, reference=True)
+    loose = {k: 5e-5 for k in _named(want) if k.startswith("d selection.") or k == "d xs"}
+    _compare(got, want, tols=loose)
 
 
 def test_layernorm_hard_rows_xs_offset():
