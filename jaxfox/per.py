@@ -363,7 +363,7 @@ def sample(state: PERState, key, batch_size: int, *, alpha, beta):
       ValueError: batch_size is not an int >= 1; concrete alpha < 0 or beta outside [0, 1]; the
         buffer is empty (concrete size 0).
     """
-    C = _check_state(state)
+    _check_state(state)
     B = _positive_int("batch_size", batch_size)
     _scalar_hyper("alpha", alpha, 0.0)
     _scalar_hyper("beta", beta, 0.0, 1.0)
