@@ -1311,11 +1311,15 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
     cudaMemsetAsync(dh0->typed_data(), 0, sizeof(float) * S * d.H, stream);
     return LastCudaError("cfc_bwd (T = 0)");
   }
-  // Weight-gradient grids (below): samples on x, output tiles on y (<= 65535), checked before any launch.
+  // Weight-gradient partials, one launch per matrix (backbone layers, then the heads; its bias is the extra
+  // row K), samples on grid x and output tiles on grid y (<= 65535): the grids are checked before any launch.
+  GradGemm wg[kMaxLayers + 1];
+  for (int l = 0; l < d.L; ++l) wg[l] = GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l]};
+  wg[d.L] = GradGemm{d.Kh, d.NH, d.L - 1, d.NH, 0, d.off_hw};
+  auto wgrad_tiles = [](const GradGemm& g) { return CeilDiv(g.K + 1, kTile) * CeilDiv(g.N, kTile); };
   for (int l = 0; l <= d.L; ++l) {
-    const int64_t K = l < d.L ? d.Kl(l) : d.Kh, N = l < d.L ? d.U : d.NH;
-    if (CeilDiv(K + 1, kTile) * CeilDiv(N, kTile) > 65535) {
-      return InvalidArgument("cfc_bwd: weight matrix " + std::to_string(K) + " x " + std::to_string(N) +
+    if (wgrad_tiles(wg[l]) > 65535) {
+      return InvalidArgument("cfc_bwd: weight matrix " + std::to_string(wg[l].K) + " x " + std::to_string(wg[l].N) +
                              " too large for the weight-gradient grid");
     }
   }
@@ -1333,16 +1337,11 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   const ffi::Error e = ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_bwd_kernel<C(), smem_w()>); });
   JAXFOX_RETURN_IF_ERROR(e);
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd recurrence"));
-  // Weight-gradient partials, one launch per matrix (its bias is the extra row K).
-  auto gemm = [&](GradGemm g, const float* dsrc) {
-    const int tiles = int(CeilDiv(g.K + 1, kTile) * CeilDiv(g.N, kTile));
-    dim3 grid(static_cast<unsigned>(S), tiles);
-    cfc_wgrad_kernel<<<grid, 256, 0, stream>>>(d, g, px, h0.typed_data(), hs.typed_data(), pa, dsrc, part);
-  };
-  for (int l = 0; l < d.L; ++l) {
-    gemm(GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l]}, gbb);
+  for (int l = 0; l <= d.L; ++l) {
+    dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(wgrad_tiles(wg[l])));
+    cfc_wgrad_kernel<<<grid, 256, 0, stream>>>(d, wg[l], px, h0.typed_data(), hs.typed_data(), pa,
+                                               l < d.L ? gbb : gph, part);
   }
-  gemm(GradGemm{d.Kh, d.NH, d.L - 1, d.NH, 0, d.off_hw}, gph);
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd weight gradients"));
   return LaunchReduceAxis0(stream, part, V, B, d.P, chunks, reduce_ws->typed_data(), dw->typed_data());
 }
