@@ -17,9 +17,9 @@
 //   dW2 = x^T da2, dW1 = e2^T de1, dW4 = e1^T dg4, dW5 = e1^T dg5, dWs = x^T dz, db* = column sums,
 //   dgamma = sum dy zhat, dbeta = sum dy    (sums over the rows)
 //
-// Kernels: CTAs of 256 threads per (run of consecutive 64-row tiles, variable j, instance v); the
-// variable's weights are staged in shared memory once per CTA (the forward's runs are sized so that the
-// grid is about one wave) (row stride N + 1, odd, so that the transposed
+// Kernels: one CTA of 256 threads per (run of consecutive 64-row tiles, variable j, instance v; the
+// forward sizes its runs so that the grid is about one wave); the variable's weights are staged in
+// shared memory once per CTA (row stride N + 1, odd, so that the transposed
 // products of the backward read them without bank conflicts), activations are kept k-major
 // ([width][kTRp] floats) so each thread reads 4 rows with one float4. Every product is a small
 // register-tiled GEMM: thread (rg, cl) computes rows 4 rg .. 4 rg + 3 and columns cl, cl + 16.
