@@ -132,6 +132,7 @@ def test_more_than_65535_samples():
     assert_rel(hs_k, hs_r, TOL, "hs")
     assert_rel(dp_k, dp_r, 1e-4, "dparams")  # sums over 65573 samples: summation order differs
     assert_rel(dx_k, dx_r, TOL, "dxs")
+    assert_rel(dt_k, dt_r, TOL, "dts")
     assert_rel(dh_k, dh_r, TOL, "dh0")
 
 
