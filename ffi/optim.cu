@@ -1,14 +1,19 @@
-// optim: fused AdamW apply (optax.clip_by_global_norm + optax.adamw + optax.apply_updates in one pass).
+// optim: fused AdamW apply (optax.clip_by_global_norm + optax.adamw + optax.apply_updates in one pass)
+// over the leaves of a parameter pytree.
 //
-// FFI target jaxfox_adamw_apply (jaxfox/optim.py, FusedAdamW.step on FlatParams):
-//   inputs  params [V, P] f32, grads [V, P] f32, mu [V, P] f32, nu [V, P] f32,
-//           mask [V, P] PRED (mask_mode 2) or [V, 0] (modes 0 / 1), scalars [V, 3] f32 = (lr_neg, bc1, bc2)
-//           (V: the flattened leading dims vmap's broadcast_all adds; 1 without vmap)
+// FFI target jaxfox_adamw_apply (jaxfox/optim.py, FusedAdamW.step), for L leaves (V: the flattened leading
+// dims vmap's broadcast_all adds to every operand; 1 without vmap):
+//   inputs  scalars [V, 3] f32 = (lr_neg, bc1, bc2), then
+//           params_0..L-1 [V, n_i] f32, grads_0..L-1 [V, n_i] f32,
+//           mu, nu: L buffers [V, n_i] each (flat_moments 0) or one [V, P] each, P = sum n_i (flat_moments 1:
+//             leaf i's moments at elements off_i = n_0 + .. + n_{i-1} of every instance's row),
+//           masks_0..L-1 [V, n_i] PRED (mask_modes[i] 2) or [V, 0] (modes 0 / 1)
 //   attrs   b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_grad_norm (f32: the float32 values
 //           the reference's weak-typed Python constants become, 1 - b1 rounded from double like Python does),
-//           clip (0/1), mask_mode (0: no decay, 1: decay everywhere, 2: elementwise), norm_blocks (clip only)
-//   outputs params' [V, P], mu' [V, P], nu' [V, P] (aliased to params, mu, nu in the ffi_call),
-//           workspace [V, norm_blocks] f32 (clip) or [V, 0]: the per-block partial sums of g^2.
+//           clip (0/1), flat_moments (0/1), mask_modes [L] (0: no decay, 1: decay everywhere, 2: elementwise)
+//   outputs workspace [V, sum_i NormBlocks(n_i)] f32 (clip) or [V, 0]: the per-block partial sums of g^2,
+//           then params'_0..L-1, mu', nu' (shaped as the inputs), aliased to params, mu, nu in the ffi_call
+//           (results that are not the same buffers as their inputs are first copied from them).
 //
 // Per element, float32, the reference's operation order, every operation rounded on its own
 // (__f*_rn intrinsics: nvcc never contracts them into FMAs):
@@ -20,21 +25,29 @@
 // default), and it sums the global norm in its own order, so kernel and reference differ by ~1 ulp of
 // each contracted operation per step; this kernel is the unfused evaluation of the reference's jaxpr.
 //
-// Global norm (clip only), deterministic, no atomics, a fixed function of (P, norm_blocks) only (not of the
-// GPU's SM count): kernel 1 has norm_blocks blocks of 256 threads; thread t of block b takes float4 column
-// v = b * 256 + t, then v += norm_blocks * 256, ... (the last, partial column of P % 4 elements is read as
-// scalars, missing elements as 0), accumulating acc = fma(x, x, acc) for x, y, z, w of each column in order;
-// the block sums its 256 accumulators by warp shuffles (offsets 16, 8, 4, 2, 1), then warp sums 0..7 left to
-// right, float32, and writes partial[b]. Every block of the apply kernel then sums the norm_blocks partials in
-// float64: thread t adds partials t, t + 256, ... in order, the same shuffle / warp tree in float64, rounds
-// the total to float32 and takes sqrt (IEEE); all blocks compute the same bits. The apply kernel runs a
-// grid-stride loop over float4 columns (scalar tail for the last partial column), each element read and
-// written by one thread, so its grid size (SM count x resident blocks per SM) does not affect any result.
-// Misaligned buffers (not expected from XLA) take the same loops with scalar loads: same order, same bits.
+// Global norm (clip only), deterministic, no atomics, a fixed function of the leaf sizes only (not of the
+// GPU's SM count or of how leaves are grouped into launches): leaf i has NormBlocks(n_i) =
+// max(1, min(1024, ceil(n_i / 4096))) partials, the leaves' partials in leaf order. Block b of leaf i (256
+// threads): thread t takes float4 column c = b * 256 + t of the leaf, then c += NormBlocks(n_i) * 256, ...
+// (the last, partial column of n_i % 4 elements read as scalars, missing elements as 0), accumulating
+// acc = fma(x, x, acc) for x, y, z, w of each column in order; the block sums its 256 accumulators by warp
+// shuffles (offsets 16, 8, 4, 2, 1), then warp sums 0..7 left to right, float32, and writes its partial.
+// Every block of the apply kernel then sums all partials in float64: thread t adds partials t, t + 256, ...
+// in order, the same shuffle / warp tree in float64, rounds the total to float32 and takes sqrt (IEEE);
+// all blocks compute the same bits. The apply kernel runs, per leaf, a grid-stride loop over float4 columns
+// (scalar tail for the last partial column), each element read and written by one thread, so its grid size
+// does not affect any result. Leaves whose buffers are not 16-byte aligned (not expected from XLA) take the
+// same loops with scalar loads: same order, same bits.
+//
+// Launches: the leaves' descriptors travel in the kernel parameters (a LeafTable, up to kMaxLeaves leaves
+// per launch, < 4 KB): no device-side table, no allocation, nothing for a command buffer to keep alive.
+// More leaves take more launches: with clipping, every norm launch runs before the first apply launch.
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 
@@ -43,20 +56,55 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kMaxNormBlocks = 1024;  // jaxfox/optim.py _MAX_NORM_BLOCKS
-constexpr int kScalars = 3;               // lr_neg, bc1, bc2
+constexpr int64_t kNormBlockElems = 4096;  // jaxfox/optim.py _NORM_BLOCK_ELEMS
+constexpr int64_t kMaxNormBlocks = 1024;   // jaxfox/optim.py _MAX_NORM_BLOCKS (per leaf)
+constexpr int kScalars = 3;                // lr_neg, bc1, bc2
+constexpr int kMaxLeaves = 56;             // leaves per launch: 56 x 64 B + header < 4 KB of parameters
+
+int64_t NormBlocks(int64_t n) { return std::max<int64_t>(1, std::min(kMaxNormBlocks, CeilDiv(n, kNormBlockElems))); }
 
 struct AdamWConsts {
   float b1, omb1, b2, omb2, eps, wd, max_norm;
 };
 
-// Column v of x (elements 4v .. 4v+3), zeros beyond P. `full` = P / 4 columns are whole.
-template <bool kVec>
-__device__ __forceinline__ float4 LoadCol(const float* x, int64_t v, int64_t full, int64_t P) {
-  if (kVec && v < full) return reinterpret_cast<const float4*>(x)[v];
-  const int64_t e = 4 * v;
-  return make_float4(e < P ? x[e] : 0.f, e + 1 < P ? x[e + 1] : 0.f, e + 2 < P ? x[e + 2] : 0.f,
-                     e + 3 < P ? x[e + 3] : 0.f);
+struct LeafDesc {
+  float* p;              // params, updated in place
+  const float* g;        // grads
+  float* m;              // mu (in place): leaf element e of instance v at m[v * mstride + e]
+  float* v;              // nu (in place), as m
+  const uint8_t* mask;   // mode 2: leaf element e of instance v at mask[v * n + e]
+  int64_t n;             // elements of the leaf (per instance); p, g, mask rows are n apart
+  int32_t begin;         // first block of the leaf in this launch
+  uint8_t mode;          // 0: no decay, 1: decay, 2: elementwise mask
+  uint8_t vec;           // float4 loads (all pointers 16-byte aligned, rows too)
+};
+
+struct LeafTable {
+  LeafDesc leaf[kMaxLeaves];
+  int64_t mstride;       // elements between instances in m and v: P (flat moments) or 0 (= n of the leaf)
+  int64_t part_base;     // norm kernel: index of the launch's first partial (per instance)
+  int64_t parts;         // partials per instance, all leaves
+  int32_t count;         // leaves in this launch
+  int32_t blocks;        // blocks of this launch (grid x)
+};
+static_assert(sizeof(LeafTable) <= 3800, "kernel parameters must stay under 4 KB");
+
+// The leaf of block b (blocks of a leaf are consecutive, leaf 0 begins at 0).
+__device__ __forceinline__ int FindLeaf(const LeafTable& t, int b) {
+  int i = 0;
+  for (int j = 1; j < t.count; ++j) i = (t.leaf[j].begin <= b) ? j : i;
+  return i;
+}
+__device__ __forceinline__ int LeafBlocks(const LeafTable& t, int i) {
+  return (i + 1 < t.count ? t.leaf[i + 1].begin : t.blocks) - t.leaf[i].begin;
+}
+
+// Column c of x (elements 4c .. 4c+3), zeros beyond n. `full` = n / 4 columns are whole.
+__device__ __forceinline__ float4 LoadCol(const float* x, int64_t c, int64_t full, int64_t n, bool vec) {
+  if (vec && c < full) return reinterpret_cast<const float4*>(x)[c];
+  const int64_t e = 4 * c;
+  return make_float4(e < n ? x[e] : 0.f, e + 1 < n ? x[e + 1] : 0.f, e + 2 < n ? x[e + 2] : 0.f,
+                     e + 3 < n ? x[e + 3] : 0.f);
 }
 
 // Fixed-order block sum (valid in thread 0): shuffles 16, 8, 4, 2, 1 per warp, then warps 0..7 in order.
@@ -74,26 +122,28 @@ __device__ __forceinline__ T BlockSum(T x, T* smem) {
   return total;
 }
 
-// Kernel 1 (clip only): partials[inst, b] = sum of g^2 over block b's columns (order: file header).
-template <bool kVec>
+// Norm kernel (clip only): partials[inst, part_base + b] = sum of g^2 over block b's columns of its leaf.
 __global__ void __launch_bounds__(kThreads)
-adamw_sumsq_kernel(const float* __restrict__ grads, int64_t P, float* __restrict__ partials) {
+adamw_sumsq_kernel(const __grid_constant__ LeafTable t, float* __restrict__ partials) {
   __shared__ float red[kWarps];
+  const int b = blockIdx.x;
+  const int i = FindLeaf(t, b);
+  const LeafDesc& L = t.leaf[i];
   const int64_t inst = blockIdx.y;
-  const float* g = grads + inst * P;
-  const int64_t full = P / 4, cols = (P + 3) / 4;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const float* g = L.g + inst * L.n;
+  const int64_t full = L.n / 4, cols = (L.n + 3) / 4;
+  const int64_t stride = static_cast<int64_t>(LeafBlocks(t, i)) * kThreads;
   float acc = 0.f;
 #pragma unroll 4
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; v < cols; v += stride) {
-    const float4 x = LoadCol<kVec>(g, v, full, P);
+  for (int64_t c = static_cast<int64_t>(b - L.begin) * kThreads + threadIdx.x; c < cols; c += stride) {
+    const float4 x = LoadCol(g, c, full, L.n, L.vec != 0);
     acc = __fmaf_rn(x.x, x.x, acc);
     acc = __fmaf_rn(x.y, x.y, acc);
     acc = __fmaf_rn(x.z, x.z, acc);
     acc = __fmaf_rn(x.w, x.w, acc);
   }
   const float total = BlockSum(acc, red);
-  if (threadIdx.x == 0) partials[inst * gridDim.x + blockIdx.x] = total;
+  if (threadIdx.x == 0) partials[inst * t.parts + t.part_base + b] = total;
 }
 
 // One element, the reference's order (file header). `clip_now` = clipping active (!keep).
@@ -107,16 +157,13 @@ __device__ __forceinline__ void AdamWElem(float& p, float g, float& m, float& v,
   p = __fadd_rn(p, __fmul_rn(lr_neg, u));
 }
 
-// Kernel 2: the update + apply. params/mu/nu may be the same buffers as their outputs (aliased), so
-// those pointers are not __restrict__ and are read through the coherent path; every element is read
-// before it is written, by the same thread.
-template <bool kVec, bool kClip, int kMaskMode>
+// Apply kernel: the update + apply of block b's share of its leaf, in place (every element read before it
+// is written, by the same thread; p, m, v not __restrict__: read through the coherent path).
+template <bool kClip>
 __global__ void __launch_bounds__(kThreads)
-adamw_apply_kernel(const float* params, const float* grads, const float* mu, const float* nu,
-                   const uint8_t* mask, const float* scalars, const float* partials, int64_t P,
-                   int64_t norm_blocks, AdamWConsts c, float* params_out, float* mu_out, float* nu_out) {
+adamw_apply_kernel(const __grid_constant__ LeafTable t, const float* __restrict__ scalars,
+                   const float* __restrict__ partials, AdamWConsts c) {
   const int64_t inst = blockIdx.y;
-  const int64_t off = inst * P;
   const float lr_neg = scalars[inst * kScalars + 0];
   const float bc1 = scalars[inst * kScalars + 1];
   const float bc2 = scalars[inst * kScalars + 2];
@@ -125,49 +172,53 @@ adamw_apply_kernel(const float* params, const float* grads, const float* mu, con
   if (kClip) {
     __shared__ double red[kWarps];
     __shared__ float s_norm;
-    const float* part = partials + inst * norm_blocks;
+    const float* part = partials + inst * t.parts;
     double s = 0.0;
-    for (int64_t j = threadIdx.x; j < norm_blocks; j += kThreads) s += static_cast<double>(part[j]);
+    for (int64_t j = threadIdx.x; j < t.parts; j += kThreads) s += static_cast<double>(part[j]);
     s = BlockSum(s, red);
     if (threadIdx.x == 0) s_norm = __fsqrt_rn(static_cast<float>(s));
     __syncthreads();
     norm = s_norm;
     clip_now = !((norm < c.max_norm) || (norm == 0.f));  // NaN norm: clip (g / NaN = NaN), as optax
   }
-  const float* pi = params + off;
-  const float* gi = grads + off;
-  const float* mi = mu + off;
-  const float* ni = nu + off;
-  const uint8_t* ki = kMaskMode == 2 ? mask + off : nullptr;
-  float* po = params_out + off;
-  float* mo = mu_out + off;
-  float* no = nu_out + off;
-  const int64_t full = P / 4, cols = (P + 3) / 4;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; v < cols; v += stride) {
-    if (kVec && v < full) {
+  const int b = blockIdx.x;
+  const int i = FindLeaf(t, b);
+  const LeafDesc& L = t.leaf[i];
+  const int64_t n = L.n;
+  const int64_t moff = inst * (t.mstride > 0 ? t.mstride : n);
+  float* pi = L.p + inst * n;
+  const float* gi = L.g + inst * n;
+  float* mi = L.m + moff;
+  float* ni = L.v + moff;
+  const uint8_t* ki = L.mode == 2 ? L.mask + inst * n : nullptr;
+  const bool vec = L.vec != 0;
+  const int mode = L.mode;
+  const int64_t full = n / 4, cols = (n + 3) / 4;
+  const int64_t stride = static_cast<int64_t>(LeafBlocks(t, i)) * kThreads;
+  for (int64_t v = static_cast<int64_t>(b - L.begin) * kThreads + threadIdx.x; v < cols; v += stride) {
+    if (vec && v < full) {
       float4 p = reinterpret_cast<const float4*>(pi)[v];
       const float4 g = reinterpret_cast<const float4*>(gi)[v];
       float4 m = reinterpret_cast<const float4*>(mi)[v];
-      float4 n = reinterpret_cast<const float4*>(ni)[v];
-      uint32_t k = kMaskMode == 1 ? 0x01010101u : 0u;
-      if (kMaskMode == 2) k = reinterpret_cast<const uint32_t*>(ki)[v];  // 4 PRED bytes, little-endian
-      AdamWElem(p.x, g.x, m.x, n.x, (k & 0x000000ffu) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
-      AdamWElem(p.y, g.y, m.y, n.y, (k & 0x0000ff00u) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
-      AdamWElem(p.z, g.z, m.z, n.z, (k & 0x00ff0000u) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
-      AdamWElem(p.w, g.w, m.w, n.w, (k & 0xff000000u) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
-      reinterpret_cast<float4*>(po)[v] = p;
-      reinterpret_cast<float4*>(mo)[v] = m;
-      reinterpret_cast<float4*>(no)[v] = n;
+      float4 q = reinterpret_cast<const float4*>(ni)[v];
+      uint32_t k = mode == 1 ? 0x01010101u : 0u;
+      if (mode == 2) k = reinterpret_cast<const uint32_t*>(ki)[v];  // 4 PRED bytes, little-endian
+      AdamWElem(p.x, g.x, m.x, q.x, (k & 0x000000ffu) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
+      AdamWElem(p.y, g.y, m.y, q.y, (k & 0x0000ff00u) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
+      AdamWElem(p.z, g.z, m.z, q.z, (k & 0x00ff0000u) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
+      AdamWElem(p.w, g.w, m.w, q.w, (k & 0xff000000u) != 0, clip_now, norm, c, lr_neg, bc1, bc2);
+      reinterpret_cast<float4*>(pi)[v] = p;
+      reinterpret_cast<float4*>(mi)[v] = m;
+      reinterpret_cast<float4*>(ni)[v] = q;
     } else {
-      const int64_t e1 = min(P, 4 * v + 4);
+      const int64_t e1 = min(n, 4 * v + 4);
       for (int64_t e = 4 * v; e < e1; ++e) {
-        float p = pi[e], m = mi[e], n = ni[e];
-        const bool decay = kMaskMode == 1 || (kMaskMode == 2 && ki[e] != 0);
-        AdamWElem(p, gi[e], m, n, decay, clip_now, norm, c, lr_neg, bc1, bc2);
-        po[e] = p;
-        mo[e] = m;
-        no[e] = n;
+        float p = pi[e], m = mi[e], q = ni[e];
+        const bool decay = mode == 1 || (mode == 2 && ki[e] != 0);
+        AdamWElem(p, gi[e], m, q, decay, clip_now, norm, c, lr_neg, bc1, bc2);
+        pi[e] = p;
+        mi[e] = m;
+        ni[e] = q;
       }
     }
   }
@@ -191,72 +242,94 @@ int BlocksPerSm(const void* kernel) {
   return n;
 }
 
-struct ApplyArgs {
-  const float *params, *grads, *mu, *nu;
-  const uint8_t* mask;
-  const float* scalars;
-  float* partials;
-  int64_t V, P, norm_blocks;
-  AdamWConsts c;
-  float *params_out, *mu_out, *nu_out;
+inline bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+// One buffer of the call: its data, leading (vmap) element count and last dimension.
+struct Buf {
+  void* data = nullptr;
+  int64_t lead = 0, n = 0;
 };
 
-template <bool kVec, bool kClip, int kMaskMode>
-void LaunchTyped(cudaStream_t stream, const ApplyArgs& a) {
-  if (kClip) {
-    dim3 grid1(static_cast<unsigned>(a.norm_blocks), static_cast<unsigned>(a.V));
-    adamw_sumsq_kernel<kVec><<<grid1, kThreads, 0, stream>>>(a.grads, a.P, a.partials);
+ffi::Error Describe(ffi::AnyBuffer b, ffi::DataType want, const std::string& name, Buf* out) {
+  if (b.element_type() != want) {
+    return InvalidArgument("adamw_apply: " + name + " must be " + (want == ffi::DataType::PRED ? "bool" : "float32"));
   }
-  auto* kernel = adamw_apply_kernel<kVec, kClip, kMaskMode>;
-  const int64_t cols = CeilDiv(a.P, 4);
-  const int64_t resident = static_cast<int64_t>(GetDeviceInfo().sm_count) * BlocksPerSm(reinterpret_cast<const void*>(kernel));
-  int64_t blocks = CeilDiv(resident > 0 ? resident : 1, a.V);
-  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, CeilDiv(cols, kThreads)));
-  dim3 grid2(static_cast<unsigned>(blocks), static_cast<unsigned>(a.V));
-  kernel<<<grid2, kThreads, 0, stream>>>(a.params, a.grads, a.mu, a.nu, a.mask, a.scalars, a.partials, a.P,
-                                         a.norm_blocks, a.c, a.params_out, a.mu_out, a.nu_out);
+  auto dims = b.dimensions();
+  if (dims.size() < 1) return InvalidArgument("adamw_apply: " + name + " must have rank >= 1, got a scalar");
+  out->data = b.untyped_data();
+  out->n = dims[dims.size() - 1];
+  out->lead = DimProduct(dims, 0, dims.size() - 1);
+  return ffi::Error::Success();
 }
-
-template <bool kVec, bool kClip>
-void LaunchMask(cudaStream_t stream, const ApplyArgs& a, int64_t mask_mode) {
-  if (mask_mode == 0) LaunchTyped<kVec, kClip, 0>(stream, a);
-  else if (mask_mode == 1) LaunchTyped<kVec, kClip, 1>(stream, a);
-  else LaunchTyped<kVec, kClip, 2>(stream, a);
-}
-
-inline bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 }  // namespace
 
-static ffi::Error AdamWApplyImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::F32> grads,
-                                 ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::PRED> mask,
-                                 ffi::Buffer<ffi::F32> scalars, float b1, float one_minus_b1, float b2,
-                                 float one_minus_b2, float eps, float weight_decay, float max_grad_norm,
-                                 int64_t clip, int64_t mask_mode, int64_t norm_blocks,
-                                 ffi::ResultBuffer<ffi::F32> params_out, ffi::ResultBuffer<ffi::F32> mu_out,
-                                 ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBuffer<ffi::F32> workspace) {
+static ffi::Error AdamWApplyImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, float b1, float one_minus_b1,
+                                 float b2, float one_minus_b2, float eps, float weight_decay, float max_grad_norm,
+                                 int64_t clip, int64_t flat_moments, ffi::Span<const int64_t> mask_modes,
+                                 ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> workspace,
+                                 ffi::RemainingRets rets) {
   ClearStaleCudaError();
-  auto pd = params.dimensions();
-  if (pd.size() < 1) return InvalidArgument("adamw_apply: params must have rank >= 1, got a scalar");
-  const int64_t P = pd[pd.size() - 1];
+  const int64_t L = static_cast<int64_t>(mask_modes.size());
+  const int64_t S = flat_moments != 0 ? 1 : L;  // moment buffers per moment
+  if (static_cast<int64_t>(args.size()) != 3 * L + 2 * S || static_cast<int64_t>(rets.size()) != L + 2 * S) {
+    return InvalidArgument("adamw_apply: " + std::to_string(L) + " leaves need " + std::to_string(3 * L + 2 * S) +
+                           " operands after scalars and " + std::to_string(L + 2 * S) +
+                           " results after the workspace, got " + std::to_string(args.size()) + " and " +
+                           std::to_string(rets.size()));
+  }
   int64_t V = -1;
-  JAXFOX_RETURN_IF_ERROR(CheckShape(params, "adamw_apply: params", {P}, &V));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(grads, "adamw_apply: grads", {P}, &V));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(mu, "adamw_apply: mu", {P}, &V));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(nu, "adamw_apply: nu", {P}, &V));
-  if (mask_mode < 0 || mask_mode > 2) {
-    return InvalidArgument("adamw_apply: mask_mode must be 0, 1 or 2, got " + std::to_string(mask_mode));
-  }
-  JAXFOX_RETURN_IF_ERROR(CheckShape(mask, "adamw_apply: mask", {mask_mode == 2 ? P : 0}, &V));
   JAXFOX_RETURN_IF_ERROR(CheckShape(scalars, "adamw_apply: scalars", {kScalars}, &V));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(*params_out, "adamw_apply: params_out", {P}, &V));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(*mu_out, "adamw_apply: mu_out", {P}, &V));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(*nu_out, "adamw_apply: nu_out", {P}, &V));
-  if (clip != 0 && (norm_blocks < 1 || norm_blocks > kMaxNormBlocks)) {
-    return InvalidArgument("adamw_apply: norm_blocks must be in [1, " + std::to_string(kMaxNormBlocks) +
-                           "] with clipping, got " + std::to_string(norm_blocks));
+  std::vector<Buf> in(args.size()), out(rets.size());
+  auto arg_name = [&](size_t k) {
+    const char* what[] = {"params", "grads", "mu", "nu", "mask"};
+    size_t group, idx;
+    if (k < static_cast<size_t>(2 * L)) group = k / L, idx = k % L;
+    else if (k < static_cast<size_t>(2 * L + 2 * S)) group = 2 + (k - 2 * L) / S, idx = (k - 2 * L) % S;
+    else group = 4, idx = k - 2 * L - 2 * S;
+    return std::string(what[group]) + "[" + std::to_string(idx) + "]";
+  };
+  for (size_t k = 0; k < args.size(); ++k) {
+    auto b = args.get<ffi::AnyBuffer>(k);
+    if (b.has_error()) return b.error();
+    const bool is_mask = k >= static_cast<size_t>(2 * L + 2 * S);
+    JAXFOX_RETURN_IF_ERROR(Describe(*b, is_mask ? ffi::DataType::PRED : ffi::DataType::F32, arg_name(k), &in[k]));
+    if (in[k].lead != V) return InvalidArgument("adamw_apply: " + arg_name(k) + ": leading (batched) dims differ");
   }
-  const int64_t need = clip != 0 ? V * norm_blocks : 0;
+  for (size_t k = 0; k < rets.size(); ++k) {
+    auto b = rets.get<ffi::AnyBuffer>(k);
+    if (b.has_error()) return b.error();
+    JAXFOX_RETURN_IF_ERROR(Describe(**b, ffi::DataType::F32, "result " + std::to_string(k + 1), &out[k]));
+    // result k aliases operand: params (k < L), then mu, nu
+    const Buf& src = in[k < static_cast<size_t>(L) ? k : k + L];
+    if (out[k].lead != V || out[k].n != src.n) {
+      return InvalidArgument("adamw_apply: result " + std::to_string(k + 1) + " is not shaped as its operand");
+    }
+  }
+  int64_t P = 0;
+  std::vector<int64_t> moff(L, 0);
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t n = in[i].n;
+    if (in[L + i].n != n) return InvalidArgument("adamw_apply: " + arg_name(L + i) + " is not shaped as params");
+    if (mask_modes[i] < 0 || mask_modes[i] > 2) {
+      return InvalidArgument("adamw_apply: mask_modes[" + std::to_string(i) + "] must be 0, 1 or 2");
+    }
+    if (in[2 * L + 2 * S + i].n != (mask_modes[i] == 2 ? n : 0)) {
+      return InvalidArgument("adamw_apply: " + arg_name(2 * L + 2 * S + i) + " has the wrong length");
+    }
+    if (flat_moments == 0 && (in[2 * L + i].n != n || in[2 * L + L + i].n != n)) {
+      return InvalidArgument("adamw_apply: mu[" + std::to_string(i) + "] / nu[" + std::to_string(i) +
+                             "] are not shaped as params");
+    }
+    moff[i] = P;
+    P += n;
+  }
+  if (flat_moments != 0 && (in[2 * L].n != P || in[2 * L + 1].n != P)) {
+    return InvalidArgument("adamw_apply: flat mu / nu must have " + std::to_string(P) + " elements per instance");
+  }
+  int64_t parts = 0;
+  for (int64_t i = 0; i < L; ++i) parts += NormBlocks(in[i].n);
+  const int64_t need = clip != 0 ? V * parts : 0;
   if (static_cast<int64_t>(workspace->element_count()) < need) {
     return InvalidArgument("adamw_apply: workspace has " + std::to_string(workspace->element_count()) +
                            " elements, needs " + std::to_string(need));
@@ -264,32 +337,75 @@ static ffi::Error AdamWApplyImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> para
   if (V == 0 || P == 0) return ffi::Error::Success();
   if (V > 65535) return InvalidArgument("adamw_apply: more than 65535 batched instances");
 
-  ApplyArgs a;
-  a.params = params.typed_data();
-  a.grads = grads.typed_data();
-  a.mu = mu.typed_data();
-  a.nu = nu.typed_data();
-  a.mask = reinterpret_cast<const uint8_t*>(mask.untyped_data());
-  a.scalars = scalars.typed_data();
-  a.partials = clip != 0 ? workspace->typed_data() : nullptr;
-  a.V = V;
-  a.P = P;
-  a.norm_blocks = clip != 0 ? norm_blocks : 0;
-  a.c = AdamWConsts{b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_grad_norm};
-  a.params_out = params_out->typed_data();
-  a.mu_out = mu_out->typed_data();
-  a.nu_out = nu_out->typed_data();
-  // float4 columns need 16-byte aligned rows (every instance's row when V > 1), the mask 4-byte ones.
-  const bool rows = V == 1 || P % 4 == 0;
-  const bool vec = rows && Aligned(a.params, 16) && Aligned(a.grads, 16) && Aligned(a.mu, 16) && Aligned(a.nu, 16) &&
-                   Aligned(a.params_out, 16) && Aligned(a.mu_out, 16) && Aligned(a.nu_out, 16) &&
-                   (mask_mode != 2 || Aligned(a.mask, 4));
-  const bool c = clip != 0;
-  if (vec && c) LaunchMask<true, true>(stream, a, mask_mode);
-  else if (vec) LaunchMask<true, false>(stream, a, mask_mode);
-  else if (c) LaunchMask<false, true>(stream, a, mask_mode);
-  else LaunchMask<false, false>(stream, a, mask_mode);
-  return LastCudaError("adamw_apply");
+  // In place: a result that is not its operand's buffer (no aliasing) starts as a copy of it.
+  for (size_t k = 0; k < rets.size(); ++k) {
+    const Buf& src = in[k < static_cast<size_t>(L) ? k : k + L];
+    if (out[k].data != src.data) {
+      cudaMemcpyAsync(out[k].data, src.data, static_cast<size_t>(V * src.n) * sizeof(float), cudaMemcpyDeviceToDevice,
+                      stream);
+    }
+  }
+  float* mu_base = static_cast<float*>(out[L].data);
+  float* nu_base = static_cast<float*>(out[L + S].data);
+  std::vector<LeafDesc> leaves(L);
+  for (int64_t i = 0; i < L; ++i) {
+    LeafDesc& d = leaves[i];
+    d.p = static_cast<float*>(out[i].data);
+    d.g = static_cast<const float*>(in[L + i].data);
+    d.m = flat_moments != 0 ? mu_base + moff[i] : static_cast<float*>(out[L + i].data);
+    d.v = flat_moments != 0 ? nu_base + moff[i] : static_cast<float*>(out[L + S + i].data);
+    d.mask = static_cast<const uint8_t*>(in[2 * L + 2 * S + i].data);
+    d.n = in[i].n;
+    d.mode = static_cast<uint8_t>(mask_modes[i]);
+    const bool rows = V == 1 || (d.n % 4 == 0 && (flat_moments == 0 || P % 4 == 0));
+    d.vec = rows && Aligned(d.p, 16) && Aligned(d.g, 16) && Aligned(d.m, 16) && Aligned(d.v, 16) &&
+            (d.mode != 2 || Aligned(d.mask, 4));
+  }
+  const AdamWConsts c{b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_grad_norm};
+  const bool do_clip = clip != 0;
+  auto* apply = do_clip ? adamw_apply_kernel<true> : adamw_apply_kernel<false>;
+  const int64_t resident =
+      static_cast<int64_t>(GetDeviceInfo().sm_count) * BlocksPerSm(reinterpret_cast<const void*>(apply));
+  const int64_t cap = std::max<int64_t>(1, CeilDiv(std::max<int64_t>(resident, 1), V));
+  // Groups of up to kMaxLeaves leaves (leaves with no elements have no blocks and are left out).
+  auto for_each_launch = [&](bool norm, auto&& launch) -> ffi::Error {
+    LeafTable t{};
+    t.mstride = flat_moments != 0 ? P : 0;
+    t.parts = parts;
+    int64_t part = 0;
+    auto flush = [&]() -> ffi::Error {
+      if (t.count == 0) return ffi::Error::Success();
+      launch(t);
+      JAXFOX_RETURN_IF_ERROR(LastCudaError(norm ? "adamw_apply (norm)" : "adamw_apply"));
+      t.count = 0;
+      t.blocks = 0;
+      return ffi::Error::Success();
+    };
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t blocks = norm ? NormBlocks(leaves[i].n) : std::min(cap, CeilDiv(CeilDiv(leaves[i].n, 4), kThreads));
+      if (blocks == 0) continue;
+      if (t.count == kMaxLeaves || t.blocks + blocks > (int64_t{1} << 30)) JAXFOX_RETURN_IF_ERROR(flush());
+      if (t.count == 0) t.part_base = part;  // the launch's first partial (norm kernel)
+      t.leaf[t.count] = leaves[i];
+      t.leaf[t.count].begin = t.blocks;
+      ++t.count;
+      t.blocks += static_cast<int32_t>(blocks);
+      part += blocks;
+    }
+    return flush();
+  };
+  float* partials = do_clip ? workspace->typed_data() : nullptr;
+  if (do_clip) {
+    JAXFOX_RETURN_IF_ERROR(for_each_launch(true, [&](const LeafTable& t) {
+      adamw_sumsq_kernel<<<dim3(static_cast<unsigned>(t.blocks), static_cast<unsigned>(V)), kThreads, 0, stream>>>(
+          t, partials);
+    }));
+  }
+  const float* sc = scalars.typed_data();
+  return for_each_launch(false, [&](const LeafTable& t) {
+    apply<<<dim3(static_cast<unsigned>(t.blocks), static_cast<unsigned>(V)), kThreads, 0, stream>>>(t, sc, partials,
+                                                                                                      c);
+  });
 }
 
 }  // namespace jaxfox
@@ -297,11 +413,6 @@ static ffi::Error AdamWApplyImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> para
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_adamw_apply, jaxfox::AdamWApplyImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // params
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // grads
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mu
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // nu
-                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()  // mask
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // scalars
                                   .Attr<float>("b1")
                                   .Attr<float>("one_minus_b1")
@@ -311,10 +422,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_adamw_apply, jaxfox::AdamWApplyImpl,
                                   .Attr<float>("weight_decay")
                                   .Attr<float>("max_grad_norm")
                                   .Attr<int64_t>("clip")
-                                  .Attr<int64_t>("mask_mode")
-                                  .Attr<int64_t>("norm_blocks")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // params_out
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mu_out
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // nu_out
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace
+                                  .Attr<int64_t>("flat_moments")
+                                  .Attr<xla::ffi::Span<const int64_t>>("mask_modes")
+                                  .RemainingArgs()                          // params, grads, mu, nu, masks
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace
+                                  .RemainingRets(),                         // params', mu', nu'
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -12,12 +12,14 @@ Math and edge rules: OPS.md "Optimizer and parameter maintenance (flat buffers)"
 * :func:`cast_bf16`: float32 -> bfloat16, round to nearest even, bit-exact against
   ``x.astype(jnp.bfloat16)`` on CPU.
 
-These ops are XLA code over the flat buffer: single-launch CUDA kernels for them were written and measured
-on the H200, and XLA's fused elementwise code was faster (AdamW 0.59-0.68x, EMA 0.51x and cast 0.9x at 10M
-parameters; BENCHMARKS.md), so they were not landed. Those AdamW kernels returned optax-style updates and
-paid ``apply_updates``' extra pass; :meth:`FusedAdamW.step` on a :class:`FlatParams` can instead run ONE
-fused update-and-apply kernel (``ffi/optim.cu``, target ``jaxfox_adamw_apply``: params, mu, nu updated in
-place), opt-in (``JAXFOX_OPT_IN_KERNELS=adamw``) until it is measured faster than XLA.
+EMA and the cast are XLA code over the flat buffer: single-launch CUDA kernels for them were written and
+measured on the H200, and XLA's fused elementwise code was faster (EMA 0.51x and cast 0.9x at 10M parameters;
+BENCHMARKS.md), so they were not landed. :meth:`FusedAdamW.step` runs ONE fused update-and-apply kernel
+(``ffi/optim.cu``, target ``jaxfox_adamw_apply``: params, mu, nu updated in place, every leaf of the tree in
+the same launch) for parameter trees of many small leaves, where XLA needs a kernel per leaf (a model's
+weights, biases and norms: see :func:`fused_adamw` for the rule); on one flat buffer XLA's single fusion
+was faster (the kernel 0.8x at 1M-16M parameters, BENCHMARKS.md fifth session), so there it is opt-in
+(``JAXFOX_OPT_IN_KERNELS=adamw``).
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ def default_decay_mask(params):
 # ----------------------------------------------------------------------------------------------
 # AdamW.
 class FusedAdamWState(NamedTuple):
-    """count [] int32 (steps taken); mu, nu: first and second moments, float32, like params."""
+    """count [] int32 (steps taken); mu, nu: first and second moments, float32, like params (or, with
+    ``fused_adamw(..., flatten_moments=True)``, each one :class:`FlatParams` [P] of the params' layout)."""
 
     count: jax.Array
     mu: Any
@@ -236,11 +239,10 @@ class FusedAdamW(optax.GradientTransformation):
 
         On the reference path exactly ``updates, new_state = self.update(grads, state, params)`` then
         ``new_params = optax.apply_updates(params, updates)`` (the same operations, so bitwise the same
-        results). When ``params`` and ``grads`` are :class:`FlatParams`, the function is compiled for CUDA
-        with the kernels available (:func:`jaxfox.kernels_available`) and the kernel is opted in
-        (``JAXFOX_OPT_IN_KERNELS=adamw``), it is one fused CUDA kernel (``ffi/optim.cu``,
-        ``jaxfox_adamw_apply``) that reads params, grads, mu, nu [P] float32 and the decay mask [P] bool
-        and writes params, mu, nu in place (plus a norm pass over grads when clipping), agreeing with the
+        results). Compiled for CUDA with the kernels available (:func:`jaxfox.kernels_available`), and where
+        the kernel rule of :func:`fused_adamw` picks it, it is one fused CUDA kernel (``ffi/optim.cu``,
+        ``jaxfox_adamw_apply``) that reads every leaf's params, grads, mu, nu (float32) and decay mask and
+        writes params, mu, nu in place (plus a norm pass over grads when clipping), agreeing with the
         reference to ~1 ulp per step (XLA may contract a * b + c into FMAs; the kernel rounds every
         operation) and bitwise repeatable. The kernel writes params, mu and nu in place (aliased outputs):
         donate them (``jax.jit(..., donate_argnums=...)``) or carry them through a ``lax.scan`` /
@@ -266,17 +268,24 @@ class FusedAdamW(optax.GradientTransformation):
 
 
 _NORM_BLOCK_ELEMS = 4096   # elements per partial sum of the clip's norm pass (at least)
-_MAX_NORM_BLOCKS = 1024    # ffi/optim.cu kMaxNormBlocks
+_MAX_NORM_BLOCKS = 1024    # ffi/optim.cu kMaxNormBlocks (per leaf)
+_KERNEL_MAX_MEAN_LEAF = 1 << 16  # the kernel runs by default for trees whose mean leaf is at most this
 
 
-def _norm_blocks(P: int) -> int:
-    """Number of per-block partial sums of g^2 (a function of P only, so the sum order is too)."""
-    return max(1, min(_MAX_NORM_BLOCKS, -(-P // _NORM_BLOCK_ELEMS)))
+def _norm_blocks(n: int) -> int:
+    """Number of per-block partial sums of g^2 of a leaf of n elements (a function of n only, so the sum
+    order is too; a tree's partials are its leaves', in leaf order)."""
+    return max(1, min(_MAX_NORM_BLOCKS, -(-n // _NORM_BLOCK_ELEMS)))
+
+
+def _kernel_by_default(sizes) -> bool:
+    """The kernel rule of :func:`fused_adamw` for leaf sizes `sizes` (the kernel also runs when opted in)."""
+    return len(sizes) > 1 and sum(sizes) <= _KERNEL_MAX_MEAN_LEAF * len(sizes)
 
 
 def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                weight_decay: float = 1e-4, mask=None, max_grad_norm: float | None = None
-                ) -> FusedAdamW:
+                weight_decay: float = 1e-4, mask=None, max_grad_norm: float | None = None,
+                flatten_moments: bool = False) -> FusedAdamW:
     """AdamW with optional global-norm clipping, as one ``optax.GradientTransformation``.
 
     Equals ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(learning_rate, b1,
@@ -302,14 +311,23 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         are bools or bool arrays of the leaf's shape (elementwise, e.g. for a flat buffer), or a
         callable params -> such a pytree (called with the updates in ``update``, like optax).
       max_grad_norm: None (no clipping) or the clipping threshold >= 0.
+      flatten_moments: keep mu and nu as one :class:`FlatParams` [P] each (the params' leaves raveled in
+        ``jax.tree.leaves`` order, as ``optax.flatten`` does) instead of trees like params. ``update`` then
+        ravels the gradients and params, computes the update on one flat buffer and splits it back into the
+        leaves (``optax.flatten(optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...)))``'s
+        operations: XLA fuses the norm and the moments into a few kernels, not a set per leaf).
 
     Returns:
       A :class:`FusedAdamW` (an ``optax.GradientTransformation``); ``init(params)`` gives a
-      :class:`FusedAdamWState` (count int32 0, mu and nu float32 zeros like params);
+      :class:`FusedAdamWState` (count int32 0, mu and nu float32 zeros like params, or flat);
       ``update(grads, state, params)`` requires params and float32 leaves everywhere;
       ``step(grads, state, params) -> (new_params, new_state)`` is ``update`` then
-      ``optax.apply_updates``, one fused CUDA kernel for :class:`FlatParams` when opted in
-      (:meth:`FusedAdamW.step`).
+      ``optax.apply_updates`` (:meth:`FusedAdamW.step`). Compiled for CUDA with the kernels available, ``step``
+      is ONE fused kernel over all leaves (the norm pass and the update-and-apply launches of
+      ``ffi/optim.cu``, up to 56 leaves a launch) when the params have more than one leaf and at most 65536
+      elements per leaf on average (a model's tree: XLA spends a launch per leaf there), or whenever
+      ``JAXFOX_OPT_IN_KERNELS`` names ``adamw``; else (one flat buffer, or big leaves) XLA's fusion, which
+      the kernel did not beat there (BENCHMARKS.md).
 
     Raises:
       TypeError/ValueError (at construction): a hyperparameter of the wrong type or out of range.
@@ -324,10 +342,17 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
     weight_decay = _check_float_hyper("weight_decay", weight_decay, 0.0)
     if max_grad_norm is not None:
         max_grad_norm = _check_float_hyper("max_grad_norm", max_grad_norm, 0.0)
+    if not isinstance(flatten_moments, (bool, np.bool_)):
+        raise TypeError(f"flatten_moments must be a bool, got {type(flatten_moments).__name__}")
+    flatten_moments = bool(flatten_moments)
     mask_fn = default_decay_mask if mask is None else mask
 
     def init_fn(params):
         _check_f32_tree("params", params)
+        if flatten_moments:
+            layout = _layout_of(params)
+            zeros = FlatParams(jnp.zeros((layout.size,), jnp.float32), layout)
+            return FusedAdamWState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=FlatParams(jnp.copy(zeros.flat), layout))
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         return FusedAdamWState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros))
 
@@ -339,6 +364,13 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         _check_f32_tree("updates", updates, like=params)
         if not isinstance(state, FusedAdamWState):
             raise TypeError(f"state must be a FusedAdamWState (from init), got {type(state).__name__}")
+        if flatten_moments:
+            shapes = tuple(tuple(l.shape) for l in jax.tree.leaves(params))
+            for name in ("mu", "nu"):
+                m = getattr(state, name)
+                if not isinstance(m, FlatParams) or m.layout.shapes != shapes:
+                    raise ValueError(f"state.{name} must be the FlatParams of init(params) (flatten_moments=True): "
+                                     f"leaf shapes {shapes}, got {getattr(getattr(m, 'layout', None), 'shapes', m)}")
 
     def step_scalars(count):
         """(count + 1, bias corrections 1 - b1^(count+1), 1 - b2^(count+1), -lr(count)): the scalar part of a
@@ -349,6 +381,27 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
 
     def update_fn(updates, state, params=None):
         check(updates, state, params, "update")
+        if not flatten_moments:
+            return core(updates, state, params, _full_mask(mask_fn, updates, params) if weight_decay != 0.0 else None)
+        # optax.flatten: the update on the raveled tree, split back into the leaves.
+        layout = state.mu.layout
+        dmask = None
+        if weight_decay != 0.0:
+            masks = [m if isinstance(m, bool) else jnp.broadcast_to(m, p.shape).reshape(-1)
+                     for m, p in zip(jax.tree.leaves(_full_mask(mask_fn, updates, params)), jax.tree.leaves(params))]
+            if all(isinstance(m, bool) for m in masks) and len(set(masks)) <= 1:
+                dmask = masks[0] if masks else False
+            else:
+                dmask = jnp.concatenate([jnp.full((math.prod(p.shape),), m) if isinstance(m, bool) else m
+                                         for m, p in zip(masks, jax.tree.leaves(params))])
+        flat_u, new_state = core(_ravel(layout, updates), state._replace(mu=state.mu.flat, nu=state.nu.flat),
+                                 _ravel(layout, params), dmask)
+        u = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(layout.unravel(flat_u)))
+        return u, new_state._replace(mu=FlatParams(new_state.mu, layout), nu=FlatParams(new_state.nu, layout))
+
+    def core(updates, state, params, dmask):
+        """The update on trees of matching structure (or flat arrays); dmask: the decay mask, a tree like params
+        of bools / bool arrays, or a bool / bool array for flat arrays (None when weight_decay == 0)."""
         g = updates
         if max_grad_norm is not None:
             # optax.clip_by_global_norm, plus the norm == 0 guard (0 / 0 * 0 would be NaN).
@@ -362,7 +415,6 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         u = jax.tree.map(lambda m, v: (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype)) + eps), mu, nu)
         # optax.add_decayed_weights under optax.masked.
         if weight_decay != 0.0:
-            dmask = _full_mask(mask_fn, updates, params)
             u = jax.tree.map(lambda x, p, m: (x + weight_decay * p) if m is True else
                              (x if m is False else jnp.where(m, x + weight_decay * p, x)), u, params, dmask)
         # optax.scale_by_learning_rate.
@@ -377,35 +429,59 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         return optax.apply_updates(params, updates), state
 
     def kernel_step(grads, state, params):
-        """ffi/optim.cu jaxfox_adamw_apply on the flat buffers; the scalar work (bias corrections, the
-        learning rate) is the reference's own expressions, in JAX."""
-        P = params.layout.size
+        """ffi/optim.cu jaxfox_adamw_apply over the leaves of params (each raveled; the moments per leaf, or the
+        flat pair of flatten_moments); the scalar work (bias corrections, the learning rate) is the reference's
+        own expressions, in JAX."""
+        p_leaves, treedef = jax.tree.flatten(params)
+        shapes = [tuple(p.shape) for p in p_leaves]
+        sizes = [math.prod(sh) for sh in shapes]
+        L = len(p_leaves)
         count_inc, bc1, bc2, lr_neg = step_scalars(state.count)
         scalars = jnp.stack([jnp.asarray(lr_neg, jnp.float32), bc1.astype(jnp.float32), bc2.astype(jnp.float32)])
-        mask_mode, mask_arr = 0, jnp.zeros((0,), jnp.bool_)
+        modes, masks = [0] * L, [jnp.zeros((0,), jnp.bool_)] * L
         if weight_decay != 0.0:
-            (m,) = jax.tree.leaves(_full_mask(mask_fn, grads, params))
-            if isinstance(m, bool):
-                mask_mode = 1 if m else 0
-            else:
-                mask_mode, mask_arr = 2, jnp.broadcast_to(m, (P,))
+            for i, m in enumerate(jax.tree.leaves(_full_mask(mask_fn, grads, params))):
+                if isinstance(m, bool):
+                    modes[i] = 1 if m else 0
+                else:
+                    modes[i], masks[i] = 2, jnp.broadcast_to(m, shapes[i]).reshape(-1)
+        if flatten_moments:
+            mus, nus = [state.mu.flat], [state.nu.flat]
+        else:
+            mus = [m.reshape(-1) for m in jax.tree.leaves(state.mu)]
+            nus = [v.reshape(-1) for v in jax.tree.leaves(state.nu)]
+        S = len(mus)
         clip = max_grad_norm is not None
-        f32 = jax.ShapeDtypeStruct((P,), jnp.float32)
-        out = (f32, f32, f32, jax.ShapeDtypeStruct((_norm_blocks(P) if clip else 0,), jnp.float32))
-        new_p, new_mu, new_nu, _ = _ffi_call(
-            "jaxfox_adamw_apply", out, vmap_method="broadcast_all", input_output_aliases={0: 0, 2: 1, 3: 2})(
-            params.flat, grads.flat, state.mu.flat, state.nu.flat, mask_arr, scalars,
+        parts = sum(_norm_blocks(n) for n in sizes) if clip else 0
+        out = (jax.ShapeDtypeStruct((parts,), jnp.float32),
+               *(jax.ShapeDtypeStruct((n,), jnp.float32) for n in sizes),
+               *(jax.ShapeDtypeStruct(m.shape, jnp.float32) for m in mus + nus))
+        aliases = {1 + i: 1 + i for i in range(L)}                               # params_i -> params'_i
+        aliases.update({1 + 2 * L + k: 1 + L + k for k in range(2 * S)})          # mu, nu -> mu', nu'
+        res = _ffi_call("jaxfox_adamw_apply", out, vmap_method="broadcast_all", input_output_aliases=aliases)(
+            scalars, *(p.reshape(-1) for p in p_leaves), *(g.reshape(-1) for g in jax.tree.leaves(grads)),
+            *mus, *nus, *masks,
             b1=np.float32(b1), one_minus_b1=np.float32(1 - b1), b2=np.float32(b2), one_minus_b2=np.float32(1 - b2),
             eps=np.float32(eps), weight_decay=np.float32(weight_decay),
             max_grad_norm=np.float32(max_grad_norm if clip else 0.0), clip=np.int64(clip),
-            mask_mode=np.int64(mask_mode), norm_blocks=np.int64(_norm_blocks(P) if clip else 0))
-        return FlatParams(new_p, params.layout), FusedAdamWState(
-            count=count_inc, mu=FlatParams(new_mu, state.mu.layout), nu=FlatParams(new_nu, state.nu.layout))
+            flat_moments=np.int64(flatten_moments), mask_modes=np.asarray(modes, np.int64))
+        new_p = jax.tree.unflatten(treedef, [r.reshape(sh) for r, sh in zip(res[1:1 + L], shapes)])
+        new_mu, new_nu = res[1 + L:1 + L + S], res[1 + L + S:]
+        if flatten_moments:
+            mu, nu = FlatParams(new_mu[0], state.mu.layout), FlatParams(new_nu[0], state.nu.layout)
+        else:
+            mdef = jax.tree.structure(state.mu)
+            mu = jax.tree.unflatten(mdef, [r.reshape(sh) for r, sh in zip(new_mu, shapes)])
+            nu = jax.tree.unflatten(jax.tree.structure(state.nu), [r.reshape(sh) for r, sh in zip(new_nu, shapes)])
+        return new_p, FusedAdamWState(count=count_inc, mu=mu, nu=nu)
 
     def step_fn(grads, state, params):
         check(grads, state, params, "step")
-        flat = all(isinstance(x, FlatParams) and x.layout == params.layout for x in (grads, state.mu, state.nu))
-        if not isinstance(params, FlatParams) or not flat or params.layout.size == 0 or not kernel_opted_in("adamw"):
+        sizes = [math.prod(p.shape) for p in jax.tree.leaves(params)]
+        like = flatten_moments or all(jax.tree.structure(m) == jax.tree.structure(params) and all(
+            tuple(a.shape) == tuple(b.shape) for a, b in zip(jax.tree.leaves(m), jax.tree.leaves(params)))
+            for m in (state.mu, state.nu))
+        if not like or sum(sizes) == 0 or not (_kernel_by_default(sizes) or kernel_opted_in("adamw")):
             return reference_step(grads, state, params)
         return dispatch(kernel_step, reference_step, grads, state, params)
 

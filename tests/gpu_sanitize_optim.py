@@ -9,7 +9,8 @@ Usage on the GPU machine:
 Runs ``fused_adamw(...).step`` on FlatParams through the jaxfox_adamw_apply kernel (opted in here) at sizes
 around the float4 body / scalar tail and the 256-thread block (P = 1, 3, 5, 255, 257, 4097, 65539), with
 clipping on and off, the three mask modes (elementwise, all, none), and under vmap (V = 2: P % 4 != 0 takes
-the scalar loads, P % 4 == 0 the float4 ones), compares with the reference path, and prints OK. Exits
+the scalar loads, P % 4 == 0 the float4 ones), then on parameter trees of 60 leaves (two launches; moments per
+leaf and flat, elementwise masks, vmap), compares with the reference path, and prints OK. Exits
 non-zero when the kernels are not available (nothing would be sanitized).
 """
 
@@ -45,6 +46,7 @@ def state(P, seed):
 
 
 def check(fn, *args):
+    print("case", [tuple(x.shape) for x in jax.tree.leaves(args)][:3], len(jax.tree.leaves(args)), flush=True)
     got = jax.block_until_ready(jax.jit(fn)(*args))
     assert "jaxfox_adamw_apply" in jax.jit(fn).lower(*args).compile().as_text()
     with jaxfox.use_reference():
@@ -68,6 +70,26 @@ def main():
         stack = lambda a, b: jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)  # noqa: E731
         tx = optim.fused_adamw(1e-3, weight_decay=0.05, max_grad_norm=1.0)
         check(jax.vmap(tx.step), stack(g1, g2), stack(s1, s2), stack(p1, p2))
+    # parameter trees (the default rule runs the kernel): 60 leaves (two launches of the 56-leaf table) with a
+    # scalar, an empty leaf and sizes around the float4 body; moments per leaf and flat; elementwise masks; vmap
+    rng = np.random.default_rng(7)
+    shapes = [(), (0,), (1,), (3,), (5, 7), (4097,), (64, 33), (2, 2), (257,), (6,)] * 6
+    tree = {f"l{i:02d}": jnp.asarray(rng.standard_normal(sh), jnp.float32) for i, sh in enumerate(shapes)}
+    g = jax.tree.map(lambda x: x * 3.0 + 0.5, tree)
+    odd = lambda p: jax.tree.map(lambda x: jnp.arange(x.size).reshape(x.shape) % 2 == 1, p)  # noqa: E731
+    for flat in (False, True):
+        for clip in (None, 1.0):
+            for mask in (None, odd):
+                tx = optim.fused_adamw(1e-3, weight_decay=0.05, mask=mask, max_grad_norm=clip, flatten_moments=flat)
+                st = tx.init(tree)
+                st = st._replace(mu=jax.tree.map(lambda x: x + 0.01, st.mu), nu=jax.tree.map(lambda x: x + 1e-4, st.nu))
+                check(tx.step, g, st, tree)
+        small = {k: tree[k] for k in list(tree)[:9]}
+        gs = {k: g[k] for k in small}
+        tx = optim.fused_adamw(1e-3, weight_decay=0.05, max_grad_norm=1.0, flatten_moments=flat)
+        st = tx.init(small)
+        stack = lambda a: jax.tree.map(lambda x: jnp.stack([x, x * 0.5]), a)  # noqa: E731
+        check(jax.vmap(tx.step), stack(gs), stack(st), stack(small))
     print("OK")
 
 

@@ -1,7 +1,8 @@
 """GPU tests of the fused AdamW update-and-apply kernel (``ffi/optim.cu``, target jaxfox_adamw_apply);
 ``pytest -m gpu``.
 
-``fused_adamw(...).step`` on FlatParams runs the kernel (opted in here: JAXFOX_OPT_IN_KERNELS=adamw) and
+``fused_adamw(...).step`` on FlatParams runs the kernel (opted in here: JAXFOX_OPT_IN_KERNELS=adamw; the tree
+tests run it by the default rule, without the opt-in) and
 is compared with the reference path on the same GPU (``update`` then ``optax.apply_updates``, traced inside
 ``jaxfox.use_reference()``) and with a float64 NumPy AdamW written from the equations (``np_adamw_steps``,
 optax's order of terms; it shares no code with jaxfox.optim).
@@ -306,6 +307,145 @@ def test_dqn_update_runs_the_kernel():
     assert np.max(np.abs(np.asarray(got.online.flat) - np.asarray(want.online.flat))) <= 1e-3 * step
 
 
+# ----------------------------------------------------------------------------------------------
+# Parameter trees: every leaf in one call (the default rule: > 1 leaf, <= 65536 elements per leaf on average).
+_TREE_SHAPES = [(), (0,), (1,), (3,), (5, 7), (4097,), (64, 33), (16, 16, 3), (2, 2), (257,)]
+
+
+def tree_case(seed, n_leaves=60, flat_moments=False, count=4):
+    """(params, state, tx-independent grads [3]) for a dict of n_leaves leaves cycling through _TREE_SHAPES
+    (a scalar, an empty leaf, sizes around the float4 body and the 256-thread block); 60 leaves take two
+    launches of ffi/optim.cu's 56-leaf table."""
+    rng = np.random.default_rng(seed)
+    shapes = [_TREE_SHAPES[i % len(_TREE_SHAPES)] for i in range(n_leaves)]
+    mk = lambda sh, s=1.0: jnp.asarray(rng.standard_normal(sh) * s, jnp.float32)  # noqa: E731
+    params = {f"l{i:02d}": mk(sh) for i, sh in enumerate(shapes)}
+    mu = {k: mk(v.shape, 0.01) for k, v in params.items()}
+    nu = {k: jnp.asarray(np.asarray(m) ** 2 + 1e-4 * rng.uniform(0, 1, m.shape) ** 2, jnp.float32) for k, m in mu.items()}
+    if flat_moments:
+        lay = optim.flatten(params)[1]
+        mu, nu = (optim.FlatParams(optim.flatten(t)[0], lay) for t in (mu, nu))
+    st = optim.FusedAdamWState(count=jnp.asarray(count, jnp.int32), mu=mu, nu=nu)
+    grads = [{k: mk(v.shape, sc) for k, v in params.items()} for sc in (1.0, 5.0, 0.2)]
+    return params, st, grads
+
+
+def flat_view(params, st):
+    """(params, state) of a tree as objects with .flat (numpy, jax.tree.leaves order), for np_adamw_steps."""
+    from types import SimpleNamespace as NS
+
+    cat = lambda t: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(t)])  # noqa: E731
+    return NS(flat=cat(params)), NS(count=st.count, mu=NS(flat=cat(st.mu)), nu=NS(flat=cat(st.nu)))
+
+
+def assert_trees_close(got, want, ulps):
+    (pk, sk), (pr, sr) = got, want
+    assert int(sk.count) == int(sr.count)
+    for name, a, b in (("params", pk, pr), ("mu", sk.mu, sr.mu), ("nu", sk.nu, sr.nu)):
+        assert jax.tree.structure(a) == jax.tree.structure(b), name
+        cat = lambda t: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(t)])  # noqa: E731
+        assert_at_scale(cat(a), cat(b), ulps, name)
+
+
+@pytest.mark.parametrize("flat_moments", [False, True], ids=["tree_moments", "flat_moments"])
+@pytest.mark.parametrize("clip", [None, "active", "inactive"])
+def test_tree_kernel_matches_reference_and_float64(flat_moments, clip, monkeypatch):
+    """A 60-leaf tree, the kernel by the default rule (no opt-in): 1 and 3 steps against the reference path
+    (4 ulps at the tree's scale) and the float64 equations (the default mask: matrices decayed), 50 scanned
+    steps against the reference (2 N ulps)."""
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS")
+    params, st, grads = tree_case(1, flat_moments=flat_moments)
+    P = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    max_norm = {None: None, "active": 0.01 * np.sqrt(P), "inactive": 100.0 * np.sqrt(P)}[clip]
+    tx = optim.fused_adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, max_grad_norm=max_norm,
+                           flatten_moments=flat_moments)
+    assert "jaxfox_adamw_apply" in _hlo(tx.step, grads[0], st, params)
+
+    def three(params, st, grads):
+        out = []
+        for g in grads:
+            params, st = tx.step(g, st, params)
+            out.append((params, st))
+        return out
+
+    got, want = run_both(three, params, st, grads)
+    for k in (0, 2):
+        assert_trees_close(got[k], want[k], ulps=4)
+    decay = np.concatenate([np.full(int(np.size(x)), np.ndim(x) >= 2) for x in jax.tree.leaves(params)])
+    gflat = np.stack([flat_view(g, st)[0].flat for g in grads])
+    p0, s0 = flat_view(params, st)
+    want64 = np_adamw_steps(p0, s0, gflat, LR, B1, B2, EPS, WD, decay, max_norm)
+    assert_matches_float64(p0, s0, flat_view(*got[2]), want64, gflat)
+
+    def scanned(params, st, key):
+        def body(c, t):
+            p, s = c
+            ks = jax.random.split(jax.random.fold_in(key, t), len(jax.tree.leaves(p)))
+            g = jax.tree.unflatten(jax.tree.structure(p), [jax.random.normal(k, x.shape) for k, x in
+                                                           zip(ks, jax.tree.leaves(p))])
+            return tx.step(g, s, p), None
+        return jax.lax.scan(body, (params, st), jnp.arange(50))[0]
+
+    got, want = run_both(scanned, params, st, jax.random.key(3))
+    assert_trees_close(got, want, ulps=100)
+
+
+@pytest.mark.parametrize("flat_moments", [False, True], ids=["tree_moments", "flat_moments"])
+def test_tree_kernel_mask_vmap_and_bitwise(flat_moments, monkeypatch):
+    """Elementwise masks per leaf (mode 2) and decay everywhere (mode 1); vmap over 2 instances (flat moments:
+    rows P apart, P % 4 != 0: the scalar loads) against each instance alone (same bits); 10 runs bitwise equal."""
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS")
+    params, st, grads = tree_case(2, n_leaves=12, flat_moments=flat_moments)
+    elementwise = lambda p: jax.tree.map(lambda x: jnp.arange(x.size).reshape(x.shape) % 3 == 0, p)  # noqa: E731
+    for mask in (elementwise, True):
+        tx = optim.fused_adamw(LR, weight_decay=WD, mask=mask, max_grad_norm=1.0, flatten_moments=flat_moments)
+        got, want = run_both(tx.step, grads[0], st, params)
+        assert_trees_close(got, want, ulps=4)
+    P = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    assert P % 4 != 0
+    tx = optim.fused_adamw(LR, weight_decay=WD, max_grad_norm=float(np.sqrt(P)), flatten_moments=flat_moments)
+    _, st2, grads2 = tree_case(3, n_leaves=12, flat_moments=flat_moments)
+    stack = lambda a, b: jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)  # noqa: E731
+    pick = lambda t, v: jax.tree.map(lambda x: x[v], t)  # noqa: E731
+    args = (stack(grads[1], grads2[1]), stack(st, st2), stack(params, params))
+    assert "jaxfox_adamw_apply" in _hlo(jax.vmap(tx.step), *args)
+    got, want = run_both(jax.vmap(tx.step), *args)
+    for v in range(2):
+        assert_trees_close(pick(got, v), pick(want, v), ulps=4)
+    alone = jax.device_get(jax.jit(tx.step)(grads2[1], st2, params))
+    assert_trees_close(pick(got, 1), alone, ulps=0)
+    f = jax.jit(tx.step)
+    first = jax.device_get(f(grads[1], st, params))
+    for run in range(9):
+        again = jax.device_get(f(grads[1], st, params))
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), f"run {run + 2} differs"
+
+
+def test_perception_training_step_runs_the_kernel(monkeypatch):
+    """The main job's optimizer (make_optimizer: jaxfox.nn.Optimizer over fused_adamw with flat moments) runs the
+    kernel in the whole training step by default; the losses of 5 steps (each after the previous updates) match
+    the reference path's to 2e-5 (float32 matmuls: default_matmul_precision("highest"); the model's kernels and
+    the optimizer's differ from their references in the last bits) and fall."""
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS")
+    from jaxfox.models.perception import benchmark_step
+
+    step_fn, state, batch = benchmark_step(batch=32, window=16, num_features=8)
+    assert "jaxfox_adamw_apply" in _hlo(step_fn, state, batch)
+
+    def five(state, batch):
+        losses = []
+        for _ in range(5):
+            state, loss = step_fn(state, batch)
+            losses.append(loss)
+        return jnp.stack(losses)
+
+    with jax.default_matmul_precision("highest"):
+        l_k, l_r = run_both(five, state, batch)
+    assert float(l_k[-1]) < float(l_k[0]) - 0.1
+    np.testing.assert_allclose(np.asarray(l_k), np.asarray(l_r), rtol=2e-5)
+
+
 _CMD_BUFFER_SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["JAXFOX_OPT_IN_KERNELS"] = "adamw"
@@ -331,6 +471,19 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
                 p, s = jax.device_get(step(g, st, params))
                 for name, a in (("p", p.flat), ("mu", s.mu.flat), ("nu", s.nu.flat)):
                     out[f"adamw_{P}_{clip is not None}_{name}_run{run}"] = np.asarray(a)
+    rng = np.random.default_rng(5)
+    tree = {f"l{i:02d}": jnp.asarray(rng.standard_normal(sh), jnp.float32)
+            for i, sh in enumerate([(3,), (5, 7), (4097,), (64, 33), ()] * 12)}
+    g = jax.tree.map(lambda x: x * 2.0 + 0.1, tree)
+    for flat in (False, True):
+        tx = optim.fused_adamw(1e-3, weight_decay=0.05, max_grad_norm=1.0, flatten_moments=flat)
+        st = tx.init(tree)
+        step = jax.jit(lambda g, s, p: tx.step(g, *tx.step(g, s, p)[::-1]))
+        assert "jaxfox_adamw_apply" in step.lower(g, st, tree).compile().as_text()
+        for run in range(3):
+            p, s = jax.device_get(step(g, st, tree))
+            for i, a in enumerate(jax.tree.leaves((p, s.mu, s.nu))):
+                out[f"tree_{flat}_{i}_run{run}"] = np.asarray(a)
     np.savez(sys.argv[1], **out)
     print("DONE", len(out))
 """)

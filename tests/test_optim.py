@@ -470,10 +470,25 @@ def _adamw_calls(text):
     return [l for l in text.splitlines() if "custom_call @jaxfox_adamw_apply" in l]
 
 
+def _call_types(call):
+    """(operand types, result types) of a lowered custom call line, as lists of 'NxT' strings."""
+    sig = call.rsplit(" : (", 1)[1]
+    ins, outs = sig.split(") -> (")
+    return [t.strip()[7:-1] for t in ins.split(",")], [t.strip()[7:-1] for t in outs.rstrip(")").split(",")]
+
+
+def _aliases(call):
+    """{operand index: result index} of a lowered custom call line."""
+    import re
+
+    return {int(o): int(r) for r, o in re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call)}
+
+
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_step_kernel_path_lowers_for_cuda_with_aliasing(clip, monkeypatch):
-    """Kernels forced available and opted in: step on FlatParams lowers (no GPU needed) to ONE
-    jaxfox_adamw_apply call with params, mu, nu aliased to its outputs and the attrs of the reference."""
+    """Kernels forced available: step lowers (no GPU needed) to ONE jaxfox_adamw_apply call over every leaf,
+    with params, mu, nu aliased to its results and the attrs of the reference: on FlatParams (opted in), on a
+    tree of 7 leaves (by default) and on the same tree with flat moments."""
     import jaxfox._ffi
 
     monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
@@ -483,16 +498,32 @@ def test_step_kernel_path_lowers_for_cuda_with_aliasing(clip, monkeypatch):
     lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, 100, 1e-4)  # a traced learning rate
     tx = optim.fused_adamw(lr, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05, max_grad_norm=clip)
     st = tx.init(fp)
-    text = _lower_step(tx, gs[0], st, fp)
-    (call,) = _adamw_calls(text)
-    for k in range(3):  # outputs 0, 1, 2 <- operands 0 (params), 2 (mu), 3 (nu)
-        assert (f"output_tuple_indices = [{k}], operand_index = {(0, 2, 3)[k]}, operand_tuple_indices = []"
-                in call), call
-    assert f"(tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xi1>, tensor<3xf32>)" in call
+    (call,) = _adamw_calls(_lower_step(tx, gs[0], st, fp))
+    ins, outs = _call_types(call)
+    assert ins == ["3xf32", f"{P}xf32", f"{P}xf32", f"{P}xf32", f"{P}xf32", f"{P}xi1"], ins
     nb = optim._norm_blocks(P) if clip else 0
-    assert f"tensor<{P}xf32>, tensor<{P}xf32>, tensor<{P}xf32>, tensor<{nb}xf32>)" in call
-    assert f"clip = {int(clip is not None)} : i64" in call and "mask_mode = 2 : i64" in call
-    assert f"norm_blocks = {nb} : i64" in call and "one_minus_b1 = 2.000000e-01 : f32" in call
+    assert outs == [f"{nb}xf32", f"{P}xf32", f"{P}xf32", f"{P}xf32"], outs
+    assert _aliases(call) == {1: 1, 3: 2, 4: 3}
+    assert f"clip = {int(clip is not None)} : i64" in call and "mask_modes = dense<2> : tensor<1xi64>" in call
+    assert "flat_moments = 0 : i64" in call and "one_minus_b1 = 2.000000e-01 : f32" in call
+    # a tree of 7 leaves, the default rule (no opt-in): per-leaf moments, then flat ones
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS")
+    tree, gtree = fp.tree, gs[0].tree
+    sizes = [x.size for x in jax.tree.leaves(tree)]
+    ndim2 = [x.ndim >= 2 for x in jax.tree.leaves(tree)]
+    for flat_m in (False, True):
+        t = optim.fused_adamw(lr, weight_decay=0.05, max_grad_norm=clip, flatten_moments=flat_m)
+        (call,) = _adamw_calls(_lower_step(t, gtree, t.init(tree), tree))
+        ins, outs = _call_types(call)
+        L, S = len(sizes), (1 if flat_m else len(sizes))
+        moments = [f"{P}xf32"] * 2 if flat_m else [f"{n}xf32" for n in sizes] * 2
+        assert ins == ["3xf32"] + [f"{n}xf32" for n in sizes] * 2 + moments + ["0xi1"] * L, ins
+        parts = sum(optim._norm_blocks(n) for n in sizes) if clip else 0
+        assert outs == [f"{parts}xf32"] + [f"{n}xf32" for n in sizes] + moments, outs
+        want = {1 + i: 1 + i for i in range(L)} | {1 + 2 * L + k: 1 + L + k for k in range(2 * S)}
+        assert _aliases(call) == want
+        modes = ", ".join(str(int(b)) for b in ndim2)  # the default mask: Python bools per leaf -> modes 1 / 0
+        assert f"mask_modes = dense<[{modes}]> : tensor<{L}xi64>" in call and f"flat_moments = {int(flat_m)}" in call
     # inside a jitted training loop (scan over steps), with the schedule's count traced
     def loop(fp, st, gflat):
         def body(c, g):
@@ -500,6 +531,7 @@ def test_step_kernel_path_lowers_for_cuda_with_aliasing(clip, monkeypatch):
             return (p, s), None
         return jax.lax.scan(body, (fp, st), gflat)[0]
 
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "adamw")
     gflat = jnp.stack([g.flat for g in gs])
     text = jax.jit(loop).trace(fp, st, gflat).lower(lowering_platforms=("cuda",)).as_text()
     assert len(_adamw_calls(text)) == 1
@@ -507,7 +539,8 @@ def test_step_kernel_path_lowers_for_cuda_with_aliasing(clip, monkeypatch):
     vtext = jax.jit(jax.vmap(tx.step)).trace(
         *jax.tree.map(lambda x: jnp.stack([x, x]), (gs[0], st, fp))).lower(lowering_platforms=("cuda",)).as_text()
     (vcall,) = _adamw_calls(vtext)
-    assert f"tensor<2x{P}xi1>, tensor<2x3xf32>)" in vcall and "operand_index = 3" in vcall
+    assert _call_types(vcall)[0] == ["2x3xf32"] + [f"2x{P}xf32"] * 4 + [f"2x{P}xi1"]
+    assert _aliases(vcall) == {1: 1, 3: 2, 4: 3}
     # lowered for CPU and CUDA at once: platform_dependent keeps both branches (their types must agree)
     both = jax.jit(tx.step).trace(gs[0], st, fp).lower(lowering_platforms=("cpu", "cuda")).as_text()
     assert len(_adamw_calls(both)) == 1 and "stablehlo.case" in both
@@ -538,64 +571,99 @@ def test_step_kernel_path_mask_modes_and_fallbacks(monkeypatch):
     fp, gs = _flat_case(0)
     tx = optim.fused_adamw(1e-3, weight_decay=0.1)
     st = tx.init(fp)
-    # opt-in off: the reference, no custom call
+    # one flat buffer: opt-in off -> the reference, no custom call; opted in -> the kernel
     monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
     assert not _adamw_calls(_lower_step(tx, gs[0], st, fp))
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "adamw")
     assert len(_adamw_calls(_lower_step(tx, gs[0], st, fp))) == 1
-    # update alone never runs the kernel; plain pytrees and use_reference() run the reference
-    assert not _adamw_calls(jax.jit(tx.update).trace(gs[0], st, fp).lower(lowering_platforms=("cuda",)).as_text())
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS")
+    # update alone never runs the kernel
     tree, gtree = fp.tree, gs[0].tree
-    assert not _adamw_calls(_lower_step(tx, gtree, tx.init(tree), tree))
+    assert not _adamw_calls(jax.jit(tx.update).trace(gtree, tx.init(tree), tree).lower(
+        lowering_platforms=("cuda",)).as_text())
+    # trees: the kernel by default for > 1 leaf of <= 65536 elements on average; not for one leaf or big leaves
+    assert len(_adamw_calls(_lower_step(tx, gtree, tx.init(tree), tree))) == 1
+    one = {"w": tree["dense1"]["w"]}
+    assert not _adamw_calls(_lower_step(tx, {"w": gtree["dense1"]["w"]}, tx.init(one), one))
+    big = {"a": jnp.zeros((300, 300)), "b": jnp.zeros((10,))}  # mean leaf 45005 elements: the kernel
+    assert len(_adamw_calls(_lower_step(tx, big, tx.init(big), big))) == 1
+    big["a"] = jnp.zeros((400, 400))                          # mean 80005: XLA
+    assert not _adamw_calls(_lower_step(tx, big, tx.init(big), big))
+    assert optim._kernel_by_default([65536, 65536]) and not optim._kernel_by_default([65537, 65536])
+    # moments of another structure than params (not from init): the reference decides (and raises)
     with jaxfox.use_reference():
         monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: False)
-        assert not _adamw_calls(_lower_step(tx, gs[0], st, fp))
+        assert not _adamw_calls(_lower_step(tx, gtree, tx.init(tree), tree))
     monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
-    # mask modes: no decay (wd = 0, or mask False) -> 0 with an empty mask, decay everywhere -> 1
-    for kw, mode in ((dict(weight_decay=0.0), 0), (dict(mask=False), 0), (dict(mask=True), 1),
-                     (dict(mask=lambda p: optim.default_decay_mask(p)), 2)):
+    # mask modes per leaf: no decay (wd = 0, or mask False) -> 0 with empty masks, decay everywhere -> 1,
+    # an elementwise mask -> 2 with the leaf's bool mask
+    L = len(jax.tree.leaves(tree))
+    elementwise = lambda p: jax.tree.map(lambda x: jnp.arange(x.size).reshape(x.shape) % 2 == 0, p)  # noqa: E731
+    for kw, mode in ((dict(weight_decay=0.0), 0), (dict(mask=False), 0), (dict(mask=True), 1), (dict(mask=elementwise), 2)):
         t = optim.fused_adamw(1e-3, **kw)
-        (call,) = _adamw_calls(_lower_step(t, gs[0], t.init(fp), fp))
-        assert f"mask_mode = {mode} : i64" in call
-        assert ("tensor<0xi1>" in call) == (mode != 2)
+        (call,) = _adamw_calls(_lower_step(t, gtree, t.init(tree), tree))
+        assert f"mask_modes = dense<{mode}> : tensor<{L}xi64>" in call, call
+        masks = _call_types(call)[0][-L:]
+        assert masks == ([f"{x.size}xi1" for x in jax.tree.leaves(tree)] if mode == 2 else ["0xi1"] * L)
 
 
 def _fake_adamw_apply(target, out_shapes, vmap_method, input_output_aliases):
     """NumPy model of ffi/optim.cu jaxfox_adamw_apply (float32, one rounding per operation, the
-    header's order; the norm summed in float64), run through pure_callback: checks on CPU what the
-    Python side hands the kernel (scalars, attrs, mask, output order)."""
+    header's order; the norm summed in float64 over all leaves), run through pure_callback: checks on CPU
+    what the Python side hands the kernel (scalars, leaves, moments, masks, attrs, result order, aliases)."""
     assert target == "jaxfox_adamw_apply" and vmap_method == "broadcast_all"
-    assert input_output_aliases == {0: 0, 2: 1, 3: 2}
 
-    def run(p, g, m, v, mask, scal, *, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_grad_norm,
-            clip, mask_mode, norm_blocks):
+    def run(*args, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_grad_norm, clip, flat_moments,
+            mask_modes):
         f = np.float32
-        p, g, m, v = (np.asarray(a, np.float32).copy() for a in (p, g, m, v))
-        lr_neg, bc1, bc2 = (f(x) for x in np.asarray(scal))
+        L = len(mask_modes)
+        S = 1 if flat_moments else L
+        assert len(args) == 1 + 3 * L + 2 * S and len(out_shapes) == 1 + L + 2 * S
+        assert input_output_aliases == {1 + i: 1 + i for i in range(L)} | {1 + 2 * L + k: 1 + L + k
+                                                                             for k in range(2 * S)}
+        scal = np.asarray(args[0])
+        ps = [np.asarray(a, np.float32).copy() for a in args[1:1 + L]]
+        gs = [np.asarray(a, np.float32).copy() for a in args[1 + L:1 + 2 * L]]
+        mus = [np.asarray(a, np.float32).copy() for a in args[1 + 2 * L:1 + 2 * L + S]]
+        nus = [np.asarray(a, np.float32).copy() for a in args[1 + 2 * L + S:1 + 2 * L + 2 * S]]
+        masks = [np.asarray(a, bool) for a in args[1 + 2 * L + 2 * S:]]
+        sizes = [p.size for p in ps]
+        if flat_moments:  # leaf i's moments at offsets n_0 + .. + n_{i-1}
+            cut = np.cumsum(sizes)[:-1]
+            mus, nus = np.split(mus[0], cut), np.split(nus[0], cut)
+        lr_neg, bc1, bc2 = (f(x) for x in scal)
         if clip:
-            norm = f(np.sqrt(f(np.sum(g.astype(np.float64) ** 2))))
+            norm = f(np.sqrt(f(sum(np.sum(g.astype(np.float64) ** 2) for g in gs))))
             if not (norm < max_grad_norm or norm == 0):
-                g = (g / norm) * f(max_grad_norm)
-        m = f(one_minus_b1) * g + f(b1) * m
-        v = f(one_minus_b2) * (g * g) + f(b2) * v
-        u = (m / bc1) / (np.sqrt(v / bc2) + f(eps))
-        decay = np.asarray(mask, bool) if mask_mode == 2 else np.full(p.shape, mask_mode == 1)
-        u = np.where(decay, u + f(weight_decay) * p, u)
-        p = p + lr_neg * u
-        ws = np.zeros(out_shapes[3].shape, np.float32)
-        return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32), ws
+                gs = [(g / norm) * f(max_grad_norm) for g in gs]
+        for i in range(L):
+            g, m, v, p = gs[i], mus[i], nus[i], ps[i]
+            m = f(one_minus_b1) * g + f(b1) * m
+            v = f(one_minus_b2) * (g * g) + f(b2) * v
+            u = (m / bc1) / (np.sqrt(v / bc2) + f(eps))
+            decay = masks[i] if mask_modes[i] == 2 else np.full(p.shape, mask_modes[i] == 1)
+            assert masks[i].size == (p.size if mask_modes[i] == 2 else 0)
+            u = np.where(decay, u + f(weight_decay) * p, u)
+            ps[i], mus[i], nus[i] = (p + lr_neg * u).astype(np.float32), m.astype(np.float32), v.astype(np.float32)
+        if flat_moments:
+            mus, nus = [np.concatenate(mus)], [np.concatenate(nus)]
+        ws = np.zeros(out_shapes[0].shape, np.float32)
+        return (ws, *ps, *mus, *nus)
 
     def call(*args, **attrs):
+        attrs["mask_modes"] = [int(x) for x in attrs["mask_modes"]]
         return jax.pure_callback(lambda *a: run(*a, **attrs), out_shapes, *args)
 
     return call
 
 
+@pytest.mark.parametrize("case", ["flat", "tree", "flat_moments"])
 @pytest.mark.parametrize("clip", [None, 1.0, 0.0])
 @pytest.mark.parametrize("mask", [None, True])
-def test_step_kernel_inputs_give_adamw(clip, mask, monkeypatch):
+def test_step_kernel_inputs_give_adamw(case, clip, mask, monkeypatch):
     """The kernel branch of step, with the FFI call replaced by a NumPy model of the kernel, matches
-    the reference path to a few ulps and the float64 equations over 12 steps (traced schedule)."""
+    the reference path to a few ulps and the float64 equations over 12 steps (traced schedule), on
+    FlatParams, a tree (moments per leaf) and a tree with flat moments."""
     import jaxfox._ffi
 
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "adamw")
@@ -603,26 +671,32 @@ def test_step_kernel_inputs_give_adamw(clip, mask, monkeypatch):
     monkeypatch.setattr(optim, "dispatch", lambda kernel, reference, *a, **kw: kernel(*a))
     monkeypatch.setattr(optim, "_ffi_call", _fake_adamw_apply)
     fp, gs = _flat_case(3)
+    params, grads = (fp, gs) if case == "flat" else (fp.tree, [g.tree for g in gs])
     lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 4, 12, 1e-4)
-    kw = dict(b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05, max_grad_norm=clip, mask=mask)
+    kw = dict(b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05, max_grad_norm=clip, mask=mask,
+              flatten_moments=case == "flat_moments")
     tx = optim.fused_adamw(lr, **kw)
     step = jax.jit(tx.step)
-    p, s = fp, tx.init(fp)
-    pr, sr = fp, tx.init(fp)
-    for g in gs:
+    p, s = params, tx.init(params)
+    pr, sr = params, tx.init(params)
+    for g in grads:
         p, s = step(g, s, p)
         u, sr = tx.update(g, sr, pr)
         pr = optax.apply_updates(pr, u)
-    assert int(s.count) == len(gs) and isinstance(p, optim.FlatParams) and isinstance(s.mu, optim.FlatParams)
+    assert int(s.count) == len(gs) and type(p) is type(params) and type(s.mu) is type(sr.mu)
+    assert isinstance(s.mu, optim.FlatParams) == (case != "tree")
     # Compared at each buffer's scale (values crossing zero have tiny ulps): XLA CPU contracts the
     # reference's a * b + c into FMAs, the model rounds every operation, and 12 steps accumulate that.
     for a, b in ((p, pr), (s.mu, sr.mu), (s.nu, sr.nu)):
-        a, b = np.asarray(a.flat, np.float64), np.asarray(b.flat, np.float64)
-        assert np.max(np.abs(a - b)) <= 8 * np.spacing(np.float32(np.max(np.abs(b))))
+        scale = max(float(np.max(np.abs(np.asarray(y)))) for y in jax.tree.leaves(b))  # the whole tree's
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            assert x.shape == y.shape and np.max(np.abs(x - y)) <= 8 * np.spacing(np.float32(scale))
     tree = fp.tree
     m = jax.tree.map(lambda x: x.ndim >= 2 if mask is None else True, tree)
     want = np_adamw_tree(tree, [g.tree for g in gs], lr, 0.8, 0.99, 1e-6, 0.05, m, clip)
-    for a, b in zip(jax.tree.leaves(p.tree), jax.tree.leaves(want)):
+    got = p.tree if case == "flat" else p
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=2e-6)
-    moved = float(jnp.max(jnp.abs(p.flat - fp.flat)))
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params)))
     assert moved > (1e-5 if clip == 0.0 else 1e-3)
