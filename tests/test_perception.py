@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -264,11 +265,42 @@ def test_make_optimizer_update_equals_numpy_adamw_with_global_norm_clipping():
         # relative to the leaf's scale: float32 rounds the stored params and cancels in m = b1 m + (1 - b1) g
         np.testing.assert_allclose(gi, pi, rtol=1e-6, atol=1e-6 * np.abs(pi).max())
     # the state is flat: one [P] vector per moment, in the order of the parameter leaves
-    adam = nnx.as_pure(opt.opt_state)[1][0]
-    assert int(adam.count) == 2 and adam.mu.shape == (n_par,) and adam.nu.shape == (n_par,)
+    adam = nnx.as_pure(opt.opt_state)
+    assert isinstance(adam, jaxfox.optim.FusedAdamWState) and isinstance(adam.mu, jaxfox.FlatParams)
+    assert int(adam.count) == 2 and adam.mu.flat.shape == (n_par,) and adam.nu.flat.shape == (n_par,)
     m_flat, v_flat = np.concatenate([x.ravel() for x in m]), np.concatenate([x.ravel() for x in v])
-    np.testing.assert_allclose(np.asarray(adam.mu), m_flat, rtol=1e-6, atol=1e-6 * np.abs(m_flat).max())
-    np.testing.assert_allclose(np.asarray(adam.nu), v_flat, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(adam.mu.flat), m_flat, rtol=1e-6, atol=1e-6 * np.abs(m_flat).max())
+    np.testing.assert_allclose(np.asarray(adam.nu.flat), v_flat, rtol=1e-6)
+
+
+def test_make_optimizer_reference_is_optax_flatten_chain():
+    """On the reference path make_optimizer's step is optax.flatten(chain(clip_by_global_norm, adamw)) in an
+    nnx.Optimizer (the optimizer it replaced, update then apply_updates) to 2 ulps over 5 jitted steps, with
+    clipping active in some; its update returns the change applied."""
+    lr, wd, clip = 1e-2, 0.5, 1.0
+    models = [make_model(3, hidden=4, embed_dim=2, backbone_units=8, rngs=nnx.Rngs(0)) for _ in range(2)]
+    ours = make_optimizer(models[0], lr=lr, weight_decay=wd, clip_norm=clip)
+    assert isinstance(ours, jaxfox.nn.Optimizer)
+    theirs = nnx.Optimizer(models[1], optax.flatten(optax.chain(optax.clip_by_global_norm(clip),
+                                                                optax.adamw(lr, weight_decay=wd))), wrt=nnx.Param)
+    upd = nnx.jit(lambda m, o, g: o.update(m, g))
+    params = nnx.state(models[0], nnx.Param)
+    rng = np.random.default_rng(1)
+    for t, norm in enumerate((10.0, 0.1, 3.0, 0.5, 0.05)):
+        g = [rng.standard_normal(a.shape).astype(np.float32) for a in jax.tree.leaves(params)]
+        total = math.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in g))
+        grads = jax.tree.unflatten(jax.tree.structure(params), [jnp.asarray(x * (norm / total)) for x in g])
+        before = [np.asarray(a) for a in jax.tree.leaves(nnx.state(models[0], nnx.Param))]
+        change = upd(models[0], ours, grads)
+        upd(models[1], theirs, grads)
+        after = [np.asarray(a) for a in jax.tree.leaves(nnx.state(models[0], nnx.Param))]
+        for c, a, b in zip(jax.tree.leaves(change), after, before, strict=True):
+            np.testing.assert_array_equal(np.asarray(c), a - b)
+        for a, b in zip(after, jax.tree.leaves(nnx.state(models[1], nnx.Param)), strict=True):
+            b = np.asarray(b)
+            tol = 2 * np.spacing(np.maximum(np.abs(a), np.abs(b)))
+            assert np.all(np.abs(a.astype(np.float64) - b) <= tol), (t, np.max(np.abs(a - b)))
+    assert int(ours.step[...]) == 5
 
 
 def test_train_step_rejects_labels_of_the_wrong_shape():

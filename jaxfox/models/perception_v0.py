@@ -28,7 +28,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxfox.nn import CfC
+from jaxfox.nn import CfC, Optimizer
+from jaxfox.optim import fused_adamw
 from jaxfox.sharding import batch_mesh, batch_sharding, check_divisible, data_parallel_value_and_grad
 
 __all__ = [
@@ -122,24 +123,26 @@ def make_model(num_features: int, *, hidden: int = DEFAULTS["hidden"], embed_dim
 
 
 def make_optimizer(model: nnx.Module, *, lr: float = DEFAULTS["lr"], weight_decay: float = DEFAULTS["weight_decay"],
-                   clip_norm: float = 1.0) -> nnx.Optimizer:
-    """``nnx.Optimizer`` over the model's ``nnx.Param``s: clip by global norm (Pascanu et al. 2013), then
-    ``optax.adamw`` (Loshchilov & Hutter 2019; b1 0.9, b2 0.999, eps 1e-8, bias-corrected, every parameter
-    decayed), the chain wrapped in ``optax.flatten``.
+                   clip_norm: float = 1.0) -> Optimizer:
+    """Optimizer over the model's ``nnx.Param``s: clip by global norm (Pascanu et al. 2013), then AdamW
+    (Loshchilov & Hutter 2019; b1 0.9, b2 0.999, eps 1e-8, bias-corrected, every parameter decayed):
+    :func:`jaxfox.fused_adamw` with ``flatten_moments=True`` in a :class:`jaxfox.nn.Optimizer`.
 
-    ``optax.flatten`` ravels the gradient (and parameter) pytree into one float32 vector [P] (P = number of
-    parameters) before the clip and AdamW, and splits the update back into the leaves' shapes after, so XLA
-    fuses the norm and the moment updates into a few kernels over one buffer instead of one set of tiny
-    kernels per parameter leaf (GPU profile, BENCHMARKS.md "sixth session": the per-leaf chain cost
-    ~127 us of the ~946 us full-model training step on the H200, in ~82 launches). The math is the unflattened
-    chain's (AdamW without a mask is elementwise; the global norm differs only in summation order).
+    The math and the operations of the reference path are those of ``optax.flatten(optax.chain(
+    optax.clip_by_global_norm(clip_norm), optax.adamw(lr, weight_decay=weight_decay)))``: the gradient and
+    parameter trees are raveled into one float32 vector [P] (P = number of parameters) before the clip and
+    AdamW, so XLA fuses the norm and the moment updates into a few kernels over one buffer instead of one set
+    of tiny kernels per parameter leaf (GPU profile, BENCHMARKS.md "sixth session": the per-leaf chain cost
+    ~127 us of the ~946 us full-model training step on the H200, in ~82 launches); the update is then split
+    back into the leaves and added to each, one XLA kernel per leaf. On a GPU with the kernels, the whole step
+    (norm, moments, update and apply on every leaf) is the fused kernel of ``ffi/optim.cu`` instead
+    (:meth:`jaxfox.optim.FusedAdamW.step`), reading each leaf in place.
 
-    State (``optimizer.opt_state``): ``(EmptyState(), (ScaleByAdamState(count, mu [P], nu [P]), EmptyState(),
-    EmptyState()))``: the moments are flat vectors [P] float32 in the order of ``jax.tree.leaves`` of
-    ``nnx.state(model, nnx.Param)``, not pytrees shaped like the parameters.
+    State (``optimizer.opt_state``): a :class:`jaxfox.optim.FusedAdamWState` ``(count, mu, nu)`` whose moments are
+    :class:`jaxfox.FlatParams` [P] float32, in the order of ``jax.tree.leaves`` of ``nnx.state(model, nnx.Param)``.
     """
-    tx = optax.flatten(optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, weight_decay=weight_decay)))
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    tx = fused_adamw(lr, weight_decay=weight_decay, mask=True, max_grad_norm=clip_norm, flatten_moments=True)
+    return Optimizer(model, tx, wrt=nnx.Param)
 
 
 def loss_fn(model: PerceptionV0, x, y):
