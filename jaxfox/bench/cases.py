@@ -615,8 +615,11 @@ def _opted_in(name: str):
 def adamw_case(size: str) -> list[Variant]:
     """One ``fused_adamw(...).step`` (update + apply) on a FlatParams [P] (default decay mask, no
     clipping / clipping at 1.0). jaxfox path: the fused update-and-apply kernel (``jaxfox_adamw_apply``,
-    opt-in: opted in here while the step is traced); reference: ``update`` then ``optax.apply_updates``,
-    XLA code (use_reference()).
+    opt-in for one flat buffer: opted in here while the step is traced); reference: ``update`` then
+    ``optax.apply_updates``, XLA code (use_reference()). One more row: the main job's optimizer on the full
+    perception model's parameter tree (49 leaves, moments flat, every leaf decayed, clipping at 1.0: the
+    kernel by the default rule; the reference is optax.flatten's operations then one add per leaf), 32 bytes
+    per parameter (params and moments read and written, grads read twice).
 
     Bytes per parameter, what the fused step must move: params, grads, mu, nu (16) and the bool mask (1)
     in, params, mu, nu (12) out; the norm pass reads grads again (4, clipping only). The updates and
@@ -648,6 +651,29 @@ def adamw_case(size: str) -> list[Variant]:
 
             label = f"P={P} {'clip 1.0' if clip is not None else 'no clip'}"
             out.append(Variant("adamw", label, setup, stateful=True, params={"P": P, "clip": clip}))
+
+    def setup_tree():
+        # the main job's optimizer (jaxfox.models.perception.make_optimizer) on the full model's parameter tree
+        from flax import nnx
+
+        from jaxfox.models.perception import make_model
+
+        params = nnx.as_pure(nnx.state(make_model(48, rngs=nnx.Rngs(0)), nnx.Param))
+        g = jax.tree.map(lambda x: x * 1e-3 + 1e-4, params)
+        tx = optim.fused_adamw(1e-3, weight_decay=1.0, mask=True, max_grad_norm=1.0, flatten_moments=True)
+
+        def builder():
+            def step(state, g):
+                p, st = tx.step(g, state[1], state[0])
+                return (p, st), st.mu.flat[:1]
+
+            return step
+
+        P = sum(int(x.size) for x in jax.tree.leaves(params))
+        return CaseSpec(builder, None, ((params, tx.init(params)), g), 32.0 * P, None)
+
+    out.append(Variant("adamw", "perception tree (49 leaves, flat moments, clip 1.0)", setup_tree, stateful=True,
+                       params={"tree": "perception", "clip": 1.0}))
     return out
 
 
