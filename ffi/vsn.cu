@@ -9,7 +9,10 @@
 //   z  = s + g4 * sigmoid(g5),  s = x Ws + bs (d != O) or x (d == O)
 //   y  = LayerNorm(z) = zhat * gamma + beta,  zhat = dev * rstd (dev, rstd: jaxfox.grn.layer_norm's
 //        shifted passes: dlt = z - z[0], dev = dlt - mean(dlt), dev -= mean(dev), var = mean(dev^2))
-// Backward, from dy = d y:
+// The VSN combines them as out[r] = sum_j v[r, j] y[r, j, :] (XLA code after the forward kernel). The
+// backward kernel takes v [R, m] and dout = d out [R, O], not the [R, m, O] cotangent of y:
+//   dy = v[r, j] * dout[r, :]  (formed in registers),  dv[r, j] = sum_o dout[r, o] y[r, j, o]  (an output)
+// Backward, from dy:
 //   gy = dy * gamma,  dz = rstd (gy - mean(gy) - zhat mean(gy zhat))
 //   dg4 = dz sigmoid(g5),  dg5 = dz g4 sigmoid(g5) (1 - sigmoid(g5))
 //   de1 = dg4 W4^T + dg5 W5^T,  da2 = (de1 W1^T) ELU'(a2)   (ELU'(a2) = 1 if e2 > 0 else e2 + 1)
@@ -323,10 +326,10 @@ struct WTile {
 };
 
 __global__ void __launch_bounds__(kThreads, 2)
-vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, const float* __restrict__ dy,
-                   const __grid_constant__ StackDims D, const __grid_constant__ ParamLayout L,
-                   const __grid_constant__ SmemLayout S, int tiles_per_block, float* __restrict__ dx,
-                   float* __restrict__ partial) {
+vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, const float* __restrict__ vsel,
+                   const float* __restrict__ dout, const __grid_constant__ StackDims D,
+                   const __grid_constant__ ParamLayout L, const __grid_constant__ SmemLayout S, int tiles_per_block,
+                   float* __restrict__ dx, float* __restrict__ dvsel, float* __restrict__ partial) {
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int tid = threadIdx.x;
@@ -389,7 +392,9 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   const float inv_o = 1.f / static_cast<float>(O);
   const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
   const float* xv = x + v * D.R * D.m * d;
-  const float* dyv = dy + v * D.R * D.m * O;
+  const float* vselv = vsel + v * D.R * D.m;
+  const float* doutv = dout + v * D.R * O;
+  float* dvselv = dvsel + v * D.R * D.m;
   float* dxv = dx + v * D.R * D.m * d;
   for (int tt = 0; tt < tiles_per_block; ++tt) {
     const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
@@ -404,16 +409,21 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t row = row0 + r0 + i;
-      float gy[2], dyi[2];
+      const float vrj = row < D.R ? __ldg(vselv + row * D.m + j) : 0.f;
+      float gy[2], dyi[2], dvp = 0.f;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int col = cl + 16 * c;
         const bool ok = col < O && row < D.R;
-        dyi[c] = ok ? __ldg(dyv + (row * D.m + j) * O + col) : 0.f;
+        const float g = ok ? __ldg(doutv + row * O + col) : 0.f;   // dout[r, col]
+        dyi[c] = vrj * g;
+        if (col < O) dvp = fmaf(g, fmaf(t.zhat[i][c], sm[S.gamma + col], sm[S.beta + col]), dvp);  // dout * y
         gy[c] = col < O ? dyi[c] * sm[S.gamma + col] : 0.f;
         pg[c] = fmaf(dyi[c], t.zhat[i][c], pg[c]);
         pb[c] += dyi[c];
       }
+      const float dv = HalfWarpSum(dvp);
+      if (cl == 0 && row < D.R) dvselv[row * D.m + j] = dv;
       const float mg = HalfWarpSum(gy[0] + gy[1]) * inv_o;
       const float mgz = HalfWarpSum(gy[0] * t.zhat[i][0] + gy[1] * t.zhat[i][1]) * inv_o;
 #pragma unroll
@@ -612,21 +622,24 @@ ffi::Error VsnGrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   return LastCudaError("vsn_grn_fwd");
 }
 
-// FFI target jaxfox_vsn_grn_bwd: (w, x, dy [.., R, m, O]) -> dw [.., m, P], dx [.., R, m, d], and the
-// workspaces partials [.., blocks, m * P] (blocks = ceil(ceil(R / 64) / tiles_per_block)) and chunk
-// partials [.., chunks * m * P] (or [.., 0] when chunks == 1).
+// FFI target jaxfox_vsn_grn_bwd: (w, x, v [.., R, m], dout [.., R, O]) -> dw [.., m, P], dx [.., R, m, d],
+// dv [.., R, m], and the workspaces partials [.., blocks, m * P] (blocks = ceil(ceil(R / 64) / tiles_per_block))
+// and chunk partials [.., chunks * m * P] (or [.., 0] when chunks == 1).
 ffi::Error VsnGrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
-                         ffi::Buffer<ffi::F32> dy, int64_t hidden_size, int64_t output_size, float eps,
-                         int64_t tiles_per_block, int64_t chunks, ffi::ResultBuffer<ffi::F32> dw,
-                         ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> part,
+                         ffi::Buffer<ffi::F32> vsel, ffi::Buffer<ffi::F32> dout, int64_t hidden_size,
+                         int64_t output_size, float eps, int64_t tiles_per_block, int64_t chunks,
+                         ffi::ResultBuffer<ffi::F32> dw, ffi::ResultBuffer<ffi::F32> dx,
+                         ffi::ResultBuffer<ffi::F32> dvsel, ffi::ResultBuffer<ffi::F32> part,
                          ffi::ResultBuffer<ffi::F32> ws) {
   ClearStaleCudaError();
   StackDims D;
   ParamLayout L;
   JAXFOX_RETURN_IF_ERROR(CheckStack(w, x, hidden_size, output_size, eps, &D, &L));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(dy, "vsn: dy", {D.R, D.m, D.O}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(vsel, "vsn: v", {D.R, D.m}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(dout, "vsn: dout", {D.R, D.O}, &D.V));
   JAXFOX_RETURN_IF_ERROR(CheckShape(*dw, "vsn: dw", {D.m, D.P}, &D.V));
   JAXFOX_RETURN_IF_ERROR(CheckShape(*dx, "vsn: dx", {D.R, D.m, D.d}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*dvsel, "vsn: dv", {D.R, D.m}, &D.V));
   if (tiles_per_block < 1 || tiles_per_block > 0x7fffffff) {
     return InvalidArgument("vsn: tiles_per_block must be >= 1, got " + std::to_string(tiles_per_block));
   }
@@ -651,9 +664,9 @@ ffi::Error VsnGrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
   JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", vsn_grn_bwd_kernel, bytes));
   dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
-  vsn_grn_bwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), dy.typed_data(), D, L, S,
-                                                        static_cast<int>(tiles_per_block), dx->typed_data(),
-                                                        part->typed_data());
+  vsn_grn_bwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), vsel.typed_data(),
+                                                        dout.typed_data(), D, L, S, static_cast<int>(tiles_per_block),
+                                                        dx->typed_data(), dvsel->typed_data(), part->typed_data());
   JAXFOX_RETURN_IF_ERROR(LastCudaError("vsn_grn_bwd"));
   // [V, blocks, m * P] -> [V, m * P]: the CTAs' partials added in reduce.cu's fixed order.
   return LaunchReduceAxis0(stream, part->typed_data(), D.V, blocks, D.m * D.P, chunks,
@@ -679,7 +692,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_vsn_grn_bwd, jaxfox::VsnGrnBwdImpl,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // x
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // dy
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // v [R, m]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // dout [R, O]
                                   .Attr<int64_t>("hidden_size")
                                   .Attr<int64_t>("output_size")
                                   .Attr<float>("eps")
@@ -687,6 +701,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_vsn_grn_bwd, jaxfox::VsnGrnBwdImpl,
                                   .Attr<int64_t>("chunks")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dw [m, P]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dx [R, m, d]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dv [R, m]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: per-CTA partials
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
                               {xla::ffi::Traits::kCmdBufferCompatible});

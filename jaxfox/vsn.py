@@ -18,8 +18,11 @@ Kernels (``ffi/vsn.cu``): on a CUDA device the m per-variable GRNs, the bulk of 
 forward kernel (``jaxfox_vsn_grn_fwd``) and one fused backward kernel (``jaxfox_vsn_grn_bwd``, which
 recomputes the forward of its rows and writes per-row-range parameter partials that ``LaunchReduceAxis0``
 sums in a fixed order: no atomics) when every GRN width is small, d, Hd, O <= 32 (the main job's
-m = 48, d = 4, Hd = O = 32: fwd+bwd 1.16x the XLA reference at 2048 rows, 0.99x at 16384 on the H200,
-BENCHMARKS.md "sixth session"); the selection GRN, the softmax and the weighted sum stay XLA code. Wider
+m = 48, d = 4, Hd = O = 32: fwd+bwd 1.20x the XLA reference at 2048 rows, 1.02x at 16384 on the H200,
+BENCHMARKS.md "ninth and tenth sessions"); the selection GRN, the softmax and the forward's weighted sum stay
+XLA code. The weighted sum's backward is in the backward kernel: it takes v [R, m] and d out [R, O] instead of
+the [R, m, O] cotangent of the GRNs' outputs (dy = v * d out, formed in registers) and returns d v [R, m]
+(sum_o d out * y, from its recomputed y). Wider
 GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference everywhere: there XLA's
 TF32 tensor-core matmuls beat the CUDA-core kernels (a fused VSN kernel measured 0.35x at 2048 rows,
 BENCHMARKS.md "2026-11-29"). Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its
@@ -157,19 +160,26 @@ def _bwd_tiling(R, m):
     return per, -(-tiles // per)
 
 
+def _weighted_sum(v, y):
+    """sum_j v[..., j] y[..., j, :]: v [..., m], y [..., m, O] -> [..., O] (TFT eq. 8), on both paths."""
+    return jnp.sum(v[..., None] * y, axis=-2)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stack_kernel(cfg, wflat, x):
+def _combine_kernel(cfg, wflat, x, v):
+    """sum_j v[r, j] GRN_j(x[r, j]): the forward kernel's y [R, m, O], then XLA's weighted sum -> [R, O]."""
     R, m, _ = x.shape
-    out = jax.ShapeDtypeStruct((R, m, cfg.output_size), jnp.float32)
-    return _ffi_call("jaxfox_vsn_grn_fwd", out, vmap_method="broadcast_all")(wflat, x, **_stack_attrs(cfg))
+    y = _ffi_call("jaxfox_vsn_grn_fwd", jax.ShapeDtypeStruct((R, m, cfg.output_size), jnp.float32),
+                  vmap_method="broadcast_all")(wflat, x, **_stack_attrs(cfg))
+    return _weighted_sum(v, y)
 
 
-def _stack_kernel_fwd(cfg, wflat, x):
-    return _stack_kernel(cfg, wflat, x), (wflat, x)
+def _combine_kernel_fwd(cfg, wflat, x, v):
+    return _combine_kernel(cfg, wflat, x, v), (wflat, x, v)
 
 
-def _stack_kernel_bwd(cfg, res, dy):
-    wflat, x = res
+def _combine_kernel_bwd(cfg, res, dout):
+    wflat, x, v = res
     R, m, d = x.shape
     P = wflat.shape[1]
     per, blocks = _bwd_tiling(R, m)
@@ -177,14 +187,15 @@ def _stack_kernel_bwd(cfg, res, dy):
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((m, P), f32),                               # dw (reduced)
            jax.ShapeDtypeStruct((R, m, d), x.dtype),                        # dx
+           jax.ShapeDtypeStruct((R, m), f32),                               # dv
            jax.ShapeDtypeStruct((blocks, m * P), f32),                      # workspace: per-block partials
            jax.ShapeDtypeStruct((chunks * m * P if chunks > 1 else 0,), f32))  # workspace: reduce_axis0
-    dw, dx, *_ = _ffi_call("jaxfox_vsn_grn_bwd", out, vmap_method="broadcast_all")(
-        wflat, x, dy.astype(f32), tiles_per_block=np.int64(per), chunks=np.int64(chunks), **_stack_attrs(cfg))
-    return psum_to_match((dw, dx), (wflat, x))
+    dw, dx, dv, *_ = _ffi_call("jaxfox_vsn_grn_bwd", out, vmap_method="broadcast_all")(
+        wflat, x, v, dout.astype(f32), tiles_per_block=np.int64(per), chunks=np.int64(chunks), **_stack_attrs(cfg))
+    return psum_to_match((dw, dx, dv), (wflat, x, v))
 
 
-_stack_kernel.defvjp(_stack_kernel_fwd, _stack_kernel_bwd)
+_combine_kernel.defvjp(_combine_kernel_fwd, _combine_kernel_bwd)
 
 
 def _kernel_fits(m, d, H, O):
@@ -193,33 +204,33 @@ def _kernel_fits(m, d, H, O):
     return max(d, H, O) <= KERNEL_MAX_WIDTH and m <= 65535
 
 
-def _grn_stacked(p, x, eps):
-    """The m per-variable GRNs, x [R, m, d] -> [R, m, O] float32: the fused kernels on CUDA when the widths
-    fit (:data:`KERNEL_MAX_WIDTH`), else (and off CUDA) :func:`_grn_stacked_reference`."""
+def _grn_combined(p, x, v, eps):
+    """The m per-variable GRNs combined by the selection weights: x [R, m, d], v [R, m] float32 -> [R, O]
+    float32, sum_j v[r, j] GRN_j(x[r, j]): the fused kernels on CUDA when the widths fit
+    (:data:`KERNEL_MAX_WIDTH`), else (and off CUDA) :func:`_grn_stacked_reference` and the weighted sum."""
     R, m, d = x.shape
     H, O = p["w1"].shape[-1], p["w4"].shape[-1]
 
-    def reference(p, x):
-        return _grn_stacked_reference(p, x, eps)
+    def reference(p, x, v):
+        return _weighted_sum(v, _grn_stacked_reference(p, x, eps))
 
     if not _kernel_fits(m, d, H, O) or R == 0:
-        return reference(p, x)
+        return reference(p, x, v)
 
-    def kernel(p, x):
-        return _stack_kernel(_StackCfg(H, O, float(eps)), _stack_flat(p), x)
+    def kernel(p, x, v):
+        return _combine_kernel(_StackCfg(H, O, float(eps)), _stack_flat(p), x, v)
 
-    return dispatch(kernel, reference, p, x, batch=(False, True))
+    return dispatch(kernel, reference, p, x, v, batch=(False, True, True))
 
 
 def _vsn_apply(params, xs, c, eps):
     """xs [..., m, d], c [..., C] or None -> (out [..., O], v [..., m]) float32 (the per-variable GRNs by
-    :func:`_grn_stacked`: the kernels where they apply, else the reference)."""
+    :func:`_grn_combined`: the kernels where they apply, else the reference)."""
     m, d = xs.shape[-2:]
     xs = xs.astype(jnp.float32)  # once: a bfloat16 xs gets its float32 gradient rounded once
     logits = _grn_reference(params["selection"], xs.reshape(xs.shape[:-2] + (m * d,)), c, eps)
     v = jax.nn.softmax(logits, axis=-1)
-    y = _grn_stacked(params["variables"], xs, eps)
-    return jnp.sum(v[..., None] * y, axis=-2), v
+    return _grn_combined(params["variables"], xs, v, eps), v
 
 
 # ----------------------------------------------------------------------------------------------

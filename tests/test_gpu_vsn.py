@@ -24,7 +24,7 @@ import pytest
 import jaxfox
 from jaxfox import vsn, vsn_init
 from jaxfox.reduce import reduce_chunks
-from jaxfox.vsn import KERNEL_MAX_WIDTH, _bwd_tiling, _grn_stacked
+from jaxfox.vsn import KERNEL_MAX_WIDTH, _bwd_tiling, _grn_combined
 from conftest import assert_command_buffers_identical, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -139,10 +139,18 @@ def _leaves_equal(a, b):
     return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
-def _stacked_fwd_bwd(p, x, dy):
-    """The per-variable GRNs alone (jaxfox.vsn._grn_stacked: the kernels on this path) and their vjp."""
-    y, vjp = jax.vjp(lambda p, x: _grn_stacked(p, x, 1e-5), p, x)
-    return y, vjp(dy)
+def _stacked_fwd_bwd(p, x, v, dout):
+    """The per-variable GRNs combined by weights v (jaxfox.vsn._grn_combined: the kernels on this path, then XLA's
+    weighted sum) and their vjp: (out [R, O], (d params, d x, d v)). The gradients are the backward kernel's
+    outputs alone; out passes XLA's weighted sum."""
+    out, vjp = jax.vjp(lambda p, x, v: _grn_combined(p, x, v, 1e-5), p, x, v)
+    return out, vjp(dout)
+
+
+def _sel_weights(rng, shape):
+    """Random selection weights [..., m] (positive, summing to 1 over m)."""
+    e = np.exp(rng.standard_normal(shape))
+    return jnp.asarray(e / e.sum(-1, keepdims=True), jnp.float32)
 
 
 def _num_params(p):
@@ -272,13 +280,17 @@ def test_single_row_equals_batch():
         assert rel_err(o1, out[s]) <= 5e-6, i
         assert rel_err(w1, w[s]) <= 5e-6, i
         assert rel_err(dx1, dx[s]) <= 5e-6, i
-    # the kernels alone: a row's outputs and input gradient are bitwise those of the row inside the batch
+    # the kernels alone: a row's input and weight gradients are bitwise those of the row inside the batch (its
+    # combined output passes XLA's weighted sum over m: 1e-6)
     x3 = jnp.asarray(xs)
-    dy = jnp.asarray(np.random.default_rng(6).standard_normal((200, m, O)), jnp.float32)
-    y, (_, gx) = _run(_stacked_fwd_bwd, p["variables"], x3, dy)
+    rng = np.random.default_rng(6)
+    vsel, dout = _sel_weights(rng, (200, m)), jnp.asarray(rng.standard_normal((200, O)), jnp.float32)
+    y, (_, gx, gv) = _run(_stacked_fwd_bwd, p["variables"], x3, vsel, dout)
     for i in (0, 63, 64, 137, 199):
-        y1, (_, gx1) = _run(_stacked_fwd_bwd, p["variables"], x3[i:i + 1], dy[i:i + 1])
-        assert np.array_equal(y1, y[i:i + 1]) and np.array_equal(gx1, gx[i:i + 1]), i
+        s = slice(i, i + 1)
+        y1, (_, gx1, gv1) = _run(_stacked_fwd_bwd, p["variables"], x3[s], vsel[s], dout[s])
+        assert rel_err(y1, y[s]) <= 1e-6, i
+        assert np.array_equal(gx1, gx[s]) and np.array_equal(gv1, gv[s]), i
 
 
 def test_gradients_bitwise_repeatable():
@@ -303,15 +315,15 @@ def test_parameter_gradient_depends_on_the_shape_only():
     p = _params(m, d, H, O, seed=8)["variables"]
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.standard_normal(lead + (m, d)), jnp.float32)
-    dy = jnp.asarray(rng.standard_normal(lead + (m, O)), jnp.float32)
-    alone = _run(_stacked_fwd_bwd, p, x, dy)
+    vsel, dout = _sel_weights(rng, lead + (m,)), jnp.asarray(rng.standard_normal(lead + (O,)), jnp.float32)
+    alone = _run(_stacked_fwd_bwd, p, x, vsel, dout)
 
-    def in_scan(p, x2, dy2):  # the same rows twice, as the scanned-over inputs of a loop
-        return jax.lax.scan(lambda k, a: (k, _stacked_fwd_bwd(p, *a)), 0, (x2, dy2))[1]
+    def in_scan(p, x2, v2, dout2):  # the same rows twice, as the scanned-over inputs of a loop
+        return jax.lax.scan(lambda k, a: (k, _stacked_fwd_bwd(p, *a)), 0, (x2, v2, dout2))[1]
 
-    twice = _run(in_scan, p, jnp.stack([x, x]), jnp.stack([dy, dy]))
+    twice = _run(in_scan, p, jnp.stack([x, x]), jnp.stack([vsel, vsel]), jnp.stack([dout, dout]))
     for it in range(2):
-        assert _leaves_equal(jax.tree.map(lambda a: a[it], twice), alone), it
+        assert _leaves_equal(jax.tree.map(lambda a: a[it], twice)[1], alone[1]), it
     for leaf in jax.tree.leaves(alone[1][0]):
         assert np.isfinite(leaf).all() and np.any(leaf != 0)
 
@@ -348,12 +360,15 @@ def test_vmap_matches_loop(V, lead, m, d, H, O):
         one = _run(_step_args, ps[v], xs[v], r1[v], r2[v])
         _compare(jax.tree.map(lambda a: a[v], got), one)
     # the kernels alone: instance v inside the vmapped call has the bits of instance v alone
-    dy = jnp.asarray(np.random.default_rng(10).standard_normal((V, int(np.prod(lead)), m, O)), jnp.float32)
+    rng = np.random.default_rng(10)
+    R = int(np.prod(lead))
+    vsel, dout = _sel_weights(rng, (V, R, m)), jnp.asarray(rng.standard_normal((V, R, O)), jnp.float32)
     x3 = jnp.asarray(xs.reshape(V, -1, m, d))
-    vm = _run(jax.vmap(_stacked_fwd_bwd), stacked["variables"], x3, dy)
+    vm = _run(jax.vmap(_stacked_fwd_bwd), stacked["variables"], x3, vsel, dout)
     for v in range(V):
-        one = _run(_stacked_fwd_bwd, ps[v]["variables"], x3[v], dy[v])
-        assert _leaves_equal(jax.tree.map(lambda a: a[v], vm), one), v
+        one = _run(_stacked_fwd_bwd, ps[v]["variables"], x3[v], vsel[v], dout[v])
+        assert _leaves_equal(jax.tree.map(lambda a: a[v], vm)[1], one[1]), v
+        assert rel_err(vm[0][v], one[0]) <= 1e-6, v
 
 
 def test_vmap_over_xs_only():

@@ -282,15 +282,22 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
     chunks = reduce_chunks(blocks, m * P)
     assert f"tiles_per_block = {per} : i64" in bwd and f"chunks = {chunks} : i64" in bwd
     ws = f"tensor<{chunks * m * P}xf32>" if chunks > 1 else "tensor<0xf32>"
-    assert (f"-> (tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>, tensor<{blocks}x{m * P}xf32>, {ws})") in bwd
+    # the backward takes the selection weights v [R, m] and d out [R, O] (not the [R, m, O] cotangent of the GRNs)
+    # and also returns d v [R, m]
+    assert (f"(tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>, tensor<{R}x{m}xf32>, tensor<{R}x{O}xf32>) -> ") in bwd
+    assert (f"-> (tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>, tensor<{R}x{m}xf32>, tensor<{blocks}x{m * P}xf32>, "
+            f"{ws})") in bwd
     # eps reaches both kernels; a context (selection GRN only) and bfloat16 xs keep the kernel path, whose
     # operands are float32
     calls = _cuda_calls(_grad_fn(eps=1e-3), p, xs.astype(jnp.bfloat16))
     assert set(calls) == {FWD, BWD} and all("eps = 1.000000e-03" in c for c in calls[FWD] + calls[BWD])
     assert f"tensor<{R}x{m}x{d}xf32>" in calls[FWD][0]
     pc = vsn_init(jax.random.key(0), m, d, H, O, context_size=5)
+    assert set(_cuda_calls(jax.value_and_grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0])), pc, xs,
+                           jnp.zeros((32, 64, 5)))) == {FWD, BWD}
+    # the gradient alone needs no forward kernel: the backward recomputes y and returns d v itself
     assert set(_cuda_calls(jax.grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0])), pc, xs, jnp.zeros((32, 64, 5)))) == {
-        FWD, BWD}
+        BWD}
     with jaxfox.use_reference():
         assert _cuda_calls(_grad_fn(), p, xs) == {}
 
