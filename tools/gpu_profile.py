@@ -140,7 +140,10 @@ def _sources(hlo_text, by_line=False):
 
 def profile(step_fn, state, batch, steps, by_line=False):
     """(kernel times as :func:`_kernel_times`, {HLO instruction name: source} of the executable traced)."""
-    f = jax.jit(step_fn).lower(state, batch).compile()  # the executable whose HLO names the kernels
+    # the state donated, as a training loop carries it (the optimizer's kernel updates its leaves in place; without
+    # donation XLA copies each aliased buffer first, a memcpy per parameter leaf that a loop does not pay)
+    state = jax.tree.map(lambda x: x.copy() if hasattr(x, "copy") else x, state)
+    f = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()  # the executable whose HLO names the kernels
     sources = _sources(f.as_text(), by_line=by_line)
     for _ in range(3):
         state, loss = f(state, batch)
