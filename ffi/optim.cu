@@ -367,7 +367,8 @@ static ffi::Error AdamWApplyImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scal
   const int64_t resident =
       static_cast<int64_t>(GetDeviceInfo().sm_count) * BlocksPerSm(reinterpret_cast<const void*>(apply));
   const int64_t cap = std::max<int64_t>(1, CeilDiv(std::max<int64_t>(resident, 1), V));
-  // Groups of up to kMaxLeaves leaves (leaves with no elements have no blocks and are left out).
+  // Groups of up to kMaxLeaves leaves (apply: a leaf with no elements has no blocks and is left out; norm:
+  // every leaf has at least one block, whose partial is 0 for an empty leaf, as NormBlocks counts it).
   auto for_each_launch = [&](bool norm, auto&& launch) -> ffi::Error {
     LeafTable t{};
     t.mstride = flat_moments != 0 ? P : 0;

@@ -465,15 +465,15 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
             eps=np.float32(eps), weight_decay=np.float32(weight_decay),
             max_grad_norm=np.float32(max_grad_norm if clip else 0.0), clip=np.int64(clip),
             flat_moments=np.int64(flatten_moments), mask_modes=np.asarray(modes, np.int64))
-        new_p = jax.tree.unflatten(treedef, [r.reshape(sh) for r, sh in zip(res[1:1 + L], shapes)])
+        def like_params(flat_leaves):  # step_fn checked that per-leaf moments have the structure of params
+            return jax.tree.unflatten(treedef, [r.reshape(sh) for r, sh in zip(flat_leaves, shapes, strict=True)])
+
         new_mu, new_nu = res[1 + L:1 + L + S], res[1 + L + S:]
         if flatten_moments:
             mu, nu = FlatParams(new_mu[0], state.mu.layout), FlatParams(new_nu[0], state.nu.layout)
         else:
-            mdef = jax.tree.structure(state.mu)
-            mu = jax.tree.unflatten(mdef, [r.reshape(sh) for r, sh in zip(new_mu, shapes)])
-            nu = jax.tree.unflatten(jax.tree.structure(state.nu), [r.reshape(sh) for r, sh in zip(new_nu, shapes)])
-        return new_p, FusedAdamWState(count=count_inc, mu=mu, nu=nu)
+            mu, nu = like_params(new_mu), like_params(new_nu)
+        return like_params(res[1:1 + L]), FusedAdamWState(count=count_inc, mu=mu, nu=nu)
 
     def step_fn(grads, state, params):
         check(grads, state, params, "step")
