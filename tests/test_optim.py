@@ -226,6 +226,17 @@ def test_adamw_validation():
         tx.update({"w": jnp.ones((2, 3))}, st, params)
     with pytest.raises(TypeError, match="float32"):
         tx.init({"w": jnp.ones((2,), jnp.int32)})
+    # flatten_moments: a bool; the state must be the flat moments of init(params)
+    with pytest.raises(TypeError, match="flatten_moments must be a bool"):
+        optim.fused_adamw(1e-3, flatten_moments=1)
+    txf = optim.fused_adamw(1e-3, flatten_moments=True)
+    stf = txf.init(params)
+    assert isinstance(stf.mu, optim.FlatParams) and stf.mu.flat.shape == (4,)
+    for bad in (st, txf.init({"w": jnp.ones((4,))})):  # moments like params; flat moments of other shapes
+        with pytest.raises(ValueError, match=r"state.mu must be the FlatParams of init\(params\)"):
+            txf.update(params, bad, params)
+        with pytest.raises(ValueError, match=r"state.mu must be the FlatParams of init\(params\)"):
+            txf.step(params, bad, params)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -700,3 +711,24 @@ def test_step_kernel_inputs_give_adamw(case, clip, mask, monkeypatch):
         np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=2e-6)
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params)))
     assert moved > (1e-5 if clip == 0.0 else 1e-3)
+
+
+def test_nn_optimizer_falls_back_to_nnx_optimizer_without_step():
+    """jaxfox.nn.Optimizer with a transformation that has no step (optax.adam) is nnx.Optimizer, bitwise."""
+    from flax import nnx
+
+    import jaxfox.nn
+
+    def make(cls):
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        return model, cls(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    (m1, o1), (m2, o2) = make(jaxfox.nn.Optimizer), make(nnx.Optimizer)
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    grads = nnx.grad(lambda mm: jnp.sum(mm(x) ** 2))(m1)
+    upd = nnx.jit(lambda m, o, g: o.update(m, g))
+    for _ in range(3):
+        upd(m1, o1, grads)
+        upd(m2, o2, grads)
+    _bits_equal(nnx.state(m1, nnx.Param), nnx.state(m2, nnx.Param))
+    assert int(o1.step[...]) == 3
