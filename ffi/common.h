@@ -107,6 +107,32 @@ ffi::Error PrepareSmem(const char* op, Kernel kernel, int64_t bytes) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Offsets (floats) of one GRN's parameters in its flat row, in the order of jaxfox/grn.py _FLAT_KEYS
+// (w2, b2, w1, b1, w4, b4, w5, b5, [ws, bs when the input width I != O], gamma, beta; each leaf row-major).
+// Shared by ffi/grn.cu (one GRN, I = its input width) and ffi/vsn.cu (one row per variable, I = d).
+struct GrnParamLayout {
+  int w2, b2, w1, b1, w4, b4, w5, b5, ws, bs, gamma, beta, P;
+};
+
+__host__ __device__ inline GrnParamLayout MakeGrnParamLayout(int I, int H, int O, bool skip) {
+  GrnParamLayout L;
+  int o = 0;
+  L.w2 = o; o += I * H;
+  L.b2 = o; o += H;
+  L.w1 = o; o += H * H;
+  L.b1 = o; o += H;
+  L.w4 = o; o += H * O;
+  L.b4 = o; o += O;
+  L.w5 = o; o += H * O;
+  L.b5 = o; o += O;
+  L.ws = o; if (skip) o += I * O;
+  L.bs = o; if (skip) o += O;
+  L.gamma = o; o += O;
+  L.beta = o; o += O;
+  L.P = o;
+  return L;
+}
+
 // Deterministic sum over axis 1 of x [V, B, P] -> out [V, P] (see reduce.cu for the order).
 // `chunks` splits B into that many contiguous row ranges whose partials go to `workspace`
 // [V, chunks, P] and are then added in chunk order; chunks == 1 needs no workspace.

@@ -51,30 +51,7 @@ constexpr int kTilesPerThread = 2;        // 4 x 4 dW tiles per thread: at most 
 
 __host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
 
-// Offsets (floats) of each parameter in variable j's row of the flat [m, P] matrix: the order of
-// jaxfox/vsn.py _STACK_KEYS (w2, b2, w1, b1, w4, b4, w5, b5, [ws, bs when d != O], gamma, beta).
-struct ParamLayout {
-  int w2, b2, w1, b1, w4, b4, w5, b5, ws, bs, gamma, beta, P;
-};
-
-__host__ __device__ inline ParamLayout MakeParamLayout(int d, int H, int O, bool skip) {
-  ParamLayout L;
-  int o = 0;
-  L.w2 = o; o += d * H;
-  L.b2 = o; o += H;
-  L.w1 = o; o += H * H;
-  L.b1 = o; o += H;
-  L.w4 = o; o += H * O;
-  L.b4 = o; o += O;
-  L.w5 = o; o += H * O;
-  L.b5 = o; o += O;
-  L.ws = o; if (skip) o += d * O;
-  L.bs = o; if (skip) o += O;
-  L.gamma = o; o += O;
-  L.beta = o; o += O;
-  L.P = o;
-  return L;
-}
+using ParamLayout = GrnParamLayout;  // variable j's row of the flat [m, P] matrix (common.h), I = d
 
 // Shared-memory layout (offsets in floats, each a multiple of 4). Weights W [K][N] are stored with
 // row stride N + 1; activations are k-major [rows][kTRp] with rows padded to a multiple of 4.
@@ -586,7 +563,7 @@ ffi::Error CheckStack(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F32
   D->O = static_cast<int>(output_size);
   D->skip = D->d != D->O;
   D->eps = eps;
-  *L = MakeParamLayout(D->d, D->H, D->O, D->skip);
+  *L = MakeGrnParamLayout(D->d, D->H, D->O, D->skip);
   D->P = L->P;
   D->V = -1;
   JAXFOX_RETURN_IF_ERROR(CheckShape(w, "vsn: w", {D->m, D->P}, &D->V));
