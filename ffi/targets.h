@@ -15,6 +15,8 @@
   X(jaxfox_attention_pool_fwd) \
   X(jaxfox_attention_pool_bwd) \
   X(jaxfox_adamw_apply)     \
+  X(jaxfox_grn_fwd)         \
+  X(jaxfox_grn_bwd)         \
   X(jaxfox_vsn_grn_fwd)     \
   X(jaxfox_vsn_grn_bwd)     \
   X(jaxfox_iqn_head_fwd)    \

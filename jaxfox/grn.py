@@ -16,21 +16,35 @@ LayerNorm statistics are float32 and multi-pass (never E[x^2] - E[x]^2), compute
 shifted by its first element with a correction pass (:func:`layer_norm`; mathematically
 identical, and rows with a large common offset such as 1449 +- 1 keep their digits). Dropout (used in the paper before the gate) is not part of the op.
 
-The op is pure JAX, compiled by XLA, on every platform (CPU and GPU alike); gradients are JAX autodiff
-of it. jaxfox has no CUDA kernel for it: a fused GRN kernel (one launch forward, one backward) was
-measured slower than XLA on the H200 (BENCHMARKS.md, "2026-11-29 — attention_pool, GRN and VSN
-kernels": 0.68x at 2048 rows, 0.34x at 16384, I = Hd = O = 128) and is not part of the package.
+Kernels (``ffi/grn.cu``, opt-in): a GRN without context whose widths are small (I <= 256, Hd <= 64,
+O <= 64, and the kernel's shared-memory and register-tile limits, see :func:`_kernel_fits`) has one fused
+forward kernel (``jaxfox_grn_fwd``) and one fused backward kernel (``jaxfox_grn_bwd``, which recomputes the
+forward of its rows and writes per-row-range parameter partials that ``LaunchReduceAxis0`` sums in a fixed
+order: no atomics, bitwise reproducible) inside a ``jax.custom_vjp``. They are written for the perception
+model's GRNs: the VSN's selection GRN (I = m d = 192, Hd = 32, O = m = 48, with the softmax of TFT eq. 6
+fused) and the head GRN (I = 64, Hd = O = 32). On the H200 they are SLOWER than XLA so far (fwd+bwd 0.74x
+the XLA reference at the selection shape and 2048 rows, 0.50x at 16384, 0.67x for the head GRN at 32 rows;
+the perception step 728 us with them vs 689 us without, BENCHMARKS.md "twelfth session"), so they run only
+when ``JAXFOX_OPT_IN_KERNELS`` names ``grn`` (or ``all``) at trace time, on CUDA. Wider GRNs, such as the
+issue's bench shape I = Hd = O = 128, and GRNs with a context always run the pure-JAX reference (there XLA's
+TF32 tensor-core matmuls beat CUDA-core kernels: a fused kernel measured 0.68x at 2048 rows, BENCHMARKS.md
+"2026-11-29 — attention_pool, GRN and VSN kernels"). By default, off CUDA, or under
+:func:`jaxfox.use_reference`, the reference runs and its gradients are JAX autodiff.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import check_array as _check_array, positive_int as _positive_int
+from jaxfox.reduce import reduce_chunks
 
 __all__ = ["grn_init", "grn", "layer_norm"]
 
@@ -213,6 +227,128 @@ def _grn_reference(params, a, c, eps):
 
 
 # ----------------------------------------------------------------------------------------------
+# Kernel path (ffi/grn.cu). The parameters travel as one flat float32 vector, the leaves of _FLAT_KEYS
+# concatenated (each row-major; skip_w/skip_b only when I != O): the layout of ffi/common.h GrnParamLayout,
+# also used per variable by jaxfox/vsn.py.
+_FLAT_KEYS = ("w2", "b2", "w1", "b1", "w4", "b4", "w5", "b5", "skip_w", "skip_b", "gamma", "beta")
+KERNEL_MAX_INPUT = 256
+"""Widest input I the kernels take (ffi/grn.cu kMaxIn)."""
+KERNEL_MAX_HIDDEN = 64
+"""Widest hidden Hd the kernels take (kMaxHidden)."""
+KERNEL_MAX_OUTPUT = 64
+"""Widest output O the kernels take (kMaxOut)."""
+_ROW_TILE = 32            # ffi/grn.cu kRowTile
+_THREADS = 256            # ffi/grn.cu kThreads
+_W_SLOTS = 6              # ffi/grn.cu kWSlots: 4 x 4 parameter-gradient tiles a thread
+_MAX_SMEM = 160 * 1024    # the backward's shared memory, kept under sm_80's 163 KB opt-in limit
+_TARGET_BWD_BLOCKS = 128  # backward CTAs aimed at (each sums `tiles_per_block` row tiles before writing a partial)
+
+
+def _r4(n):
+    return (n + 3) & ~3
+
+
+def _smem_bytes(I, H, O, bwd):
+    """ffi/grn.cu MakeSmemLayout's total, in bytes."""
+    skip = I != O
+    odd = lambda n: n | 1  # noqa: E731
+    w = (_r4(I * odd(H)) + (_r4(I * odd(O)) if skip else 0) + _r4(H * odd(H)) + 2 * _r4(H * odd(O))
+         + 2 * _r4(H) + (5 if skip else 4) * _r4(O))
+    act = (_r4(I) + 2 * _r4(H)) * (_ROW_TILE + 4)
+    if bwd:
+        act += (3 * _r4(O) + 2 * _r4(H)) * (_ROW_TILE + 4) + _r4(2 * (_THREADS // 32) * O)
+    return 4 * (w + act)
+
+
+def _dw_tiles(I, H, O):
+    """ffi/grn.cu DwTiles: the 4 x 4 tiles of dW2, dW1, dW4, dW5 (and dWs when I != O)."""
+    t = lambda K, N: (_r4(K) // 4) * (_r4(N) // 4)  # noqa: E731
+    return t(I, H) + t(H, H) + 2 * t(H, O) + (t(I, O) if I != O else 0)
+
+
+def _kernel_fits(I, C, H, O):
+    """Whether the kernels take a GRN of these widths: no context (C == 0), 1 <= I <= 256, Hd <= 64, O <= 64,
+    at most 1536 parameter-gradient tiles (6 a thread) and the backward's shared memory <= 160 KB."""
+    return (C == 0 and 1 <= I <= KERNEL_MAX_INPUT and 1 <= H <= KERNEL_MAX_HIDDEN and 1 <= O <= KERNEL_MAX_OUTPUT
+            and _dw_tiles(I, H, O) <= _THREADS * _W_SLOTS and _smem_bytes(I, H, O, True) <= _MAX_SMEM)
+
+
+class _KernelCfg(NamedTuple):
+    hidden_size: int
+    output_size: int
+    eps: float
+    softmax: bool
+
+
+def _flat(p):
+    return jnp.concatenate([p[k].reshape(-1) for k in _FLAT_KEYS if k in p])
+
+
+def _attrs(cfg):
+    return dict(hidden_size=np.int64(cfg.hidden_size), output_size=np.int64(cfg.output_size),
+                eps=np.float32(cfg.eps), softmax=np.int64(cfg.softmax))
+
+
+def _bwd_tiling(R):
+    """(tiles_per_block, blocks) of the backward grid over ceil(R / 32) row tiles: a function of the shape only,
+    so the summation order of the parameter gradient (and its bits) is fixed by the shape."""
+    tiles = -(-R // _ROW_TILE)
+    per = max(1, -(-tiles // _TARGET_BWD_BLOCKS))
+    return per, -(-tiles // per)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grn_kernel(cfg, wflat, a):
+    R = a.shape[0]
+    return _ffi_call("jaxfox_grn_fwd", jax.ShapeDtypeStruct((R, cfg.output_size), jnp.float32),
+                     vmap_method="broadcast_all")(wflat, a, **_attrs(cfg))
+
+
+def _grn_kernel_fwd(cfg, wflat, a):
+    return _grn_kernel(cfg, wflat, a), (wflat, a)
+
+
+def _grn_kernel_bwd(cfg, res, g):
+    wflat, a = res
+    R, I = a.shape
+    P = wflat.shape[0]
+    per, blocks = _bwd_tiling(R)
+    chunks = reduce_chunks(blocks, P)
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((P,), f32),                                 # dw (reduced)
+           jax.ShapeDtypeStruct((R, I), f32),                               # da
+           jax.ShapeDtypeStruct((blocks, P), f32),                          # workspace: per-CTA partials
+           jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))   # workspace: reduce_axis0
+    dw, da, *_ = _ffi_call("jaxfox_grn_bwd", out, vmap_method="broadcast_all")(
+        wflat, a, g.astype(f32), tiles_per_block=np.int64(per), chunks=np.int64(chunks), **_attrs(cfg))
+    return psum_to_match((dw, da), (wflat, a))
+
+
+_grn_kernel.defvjp(_grn_kernel_fwd, _grn_kernel_bwd)
+
+
+def _grn_apply(params, a, c, eps, softmax=False):
+    """a [R, I] float32, c [R, C] or None -> [R, O] float32: GRN(a, c), or its softmax over O when ``softmax``
+    (the VSN's selection weights). The kernels on CUDA when opted in (``JAXFOX_OPT_IN_KERNELS`` names ``grn``)
+    and :func:`_kernel_fits` (no context), else (and off CUDA) :func:`_grn_reference`."""
+    R, I = a.shape
+    C = 0 if c is None else c.shape[-1]
+    H, O = params["w1"].shape[-1], params["w4"].shape[-1]
+
+    def reference(p, a, c=None):
+        y = _grn_reference(p, a, c, eps)
+        return jax.nn.softmax(y, axis=-1) if softmax else y
+
+    if not kernel_opted_in("grn") or c is not None or not _kernel_fits(I, C, H, O) or R == 0:
+        return reference(params, a, c)
+
+    def kernel(p, a):
+        return _grn_kernel(_KernelCfg(H, O, float(eps), bool(softmax)), _flat(p), a)
+
+    return dispatch(kernel, reference, params, a, batch=(False, True))
+
+
+# ----------------------------------------------------------------------------------------------
 def grn(params, a, context=None, *, eps=1e-5):
     """Gated residual network: a [..., I] (and context [..., C]) -> [..., O] float32.
 
@@ -233,8 +369,11 @@ def grn(params, a, context=None, *, eps=1e-5):
       context) is the float32 gradient rounded once to bfloat16. A float32/bfloat16 mix of ``a``
       and ``context`` is computed from float32 copies.
 
-    Differentiable in params, a and context (JAX autodiff). Pure JAX (XLA) on every platform:
-    there is no CUDA kernel for this op (module docstring).
+    Differentiable in params, a and context. By default XLA code with JAX autodiff on every platform.
+    With ``JAXFOX_OPT_IN_KERNELS=grn`` on CUDA, a GRN without context and with small widths (I <= 256,
+    Hd <= 64, O <= 64: module docstring) runs the fused kernels of ``ffi/grn.cu`` (forward and a
+    ``jax.custom_vjp`` backward, parameter gradients summed in a fixed order: bitwise reproducible);
+    they are slower than XLA on the H200 so far, hence opt-in.
 
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, or eps is not a number.
@@ -248,7 +387,7 @@ def grn(params, a, context=None, *, eps=1e-5):
     context = _check_context(context, C, lead)
     a, context = _common_dtype(a, context)
     R = int(np.prod(lead, dtype=np.int64))
-    a2 = a.reshape(R, I)
+    a2 = a.reshape(R, I).astype(jnp.float32)  # once: a bfloat16 a gets its float32 gradient rounded once
     c2 = jnp.broadcast_to(context, lead + (C,)).reshape(R, C) if C else None
-    y = _grn_reference(params, a2, c2, eps)
+    y = _grn_apply(params, a2, c2, eps)
     return y.reshape(lead + (O,))

@@ -18,9 +18,11 @@ Kernels (``ffi/vsn.cu``): on a CUDA device the m per-variable GRNs, the bulk of 
 forward kernel (``jaxfox_vsn_grn_fwd``) and one fused backward kernel (``jaxfox_vsn_grn_bwd``, which
 recomputes the forward of its rows and writes per-row-range parameter partials that ``LaunchReduceAxis0``
 sums in a fixed order: no atomics) when every GRN width is small, d, Hd, O <= 32 (the main job's
-m = 48, d = 4, Hd = O = 32: fwd+bwd 1.20x the XLA reference at 2048 rows, 1.02x at 16384 on the H200,
-BENCHMARKS.md "ninth and tenth sessions"); the selection GRN, the softmax and the forward's weighted sum stay
-XLA code. The weighted sum's backward is in the backward kernel: it takes v [R, m] and d out [R, O] instead of
+m = 48, d = 4, Hd = O = 32: fwd+bwd 1.24x the XLA reference at 2048 rows, 1.03x at 16384 on the H200,
+BENCHMARKS.md "eleventh session"). The selection GRN with its softmax is XLA code by default; with
+``JAXFOX_OPT_IN_KERNELS=grn`` it runs :mod:`jaxfox.grn`'s opt-in kernels (``ffi/grn.cu``, softmax fused) when
+it has no context and its widths fit (input m d <= 256, Hd <= 64, output m <= 64; the main job's 192, 32, 48;
+slower than XLA so far, see :mod:`jaxfox.grn`). The forward's weighted sum is XLA code. The weighted sum's backward is in the backward kernel: it takes v [R, m] and d out [R, O] instead of
 the [R, m, O] cotangent of the GRNs' outputs (dy = v * d out, formed in registers) and returns d v [R, m]
 (sum_o d out * y, from its recomputed y). Wider
 GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference everywhere: there XLA's
@@ -41,7 +43,7 @@ import numpy as np
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
 from jaxfox._validate import positive_int as _positive_int
 from jaxfox.grn import (
-    _check_context, _check_eps, _check_input, _common_dtype, _grn_reference, _grn_sizes, grn_init,
+    _FLAT_KEYS, _check_context, _check_eps, _check_input, _common_dtype, _grn_apply, _grn_sizes, grn_init,
     layer_norm,
 )
 from jaxfox.reduce import reduce_chunks
@@ -127,9 +129,8 @@ def _grn_stacked_reference(p, x, eps):
 
 # ----------------------------------------------------------------------------------------------
 # Kernel path of the stacked per-variable GRNs (ffi/vsn.cu). Per variable, the parameters travel as one
-# row of a [m, P] float32 matrix, in the order of _STACK_KEYS (each leaf row-major; skip_w/skip_b only when
-# d != O), the layout ffi/vsn.cu's ParamLayout reads.
-_STACK_KEYS = ("w2", "b2", "w1", "b1", "w4", "b4", "w5", "b5", "skip_w", "skip_b", "gamma", "beta")
+# row of a [m, P] float32 matrix, in the order of jaxfox.grn._FLAT_KEYS (each leaf row-major; skip_w/skip_b
+# only when d != O), the layout ffi/common.h's GrnParamLayout describes.
 KERNEL_MAX_WIDTH = 32
 """The kernel path runs when d, Hd and O are all <= this (ffi/vsn.cu kMaxWidth); wider GRNs run the reference."""
 _ROW_TILE = 64           # ffi/vsn.cu kRowTile: rows per tile
@@ -144,7 +145,7 @@ class _StackCfg(NamedTuple):
 
 def _stack_flat(p):
     m = p["w2"].shape[0]
-    return jnp.concatenate([p[k].reshape(m, -1) for k in _STACK_KEYS if k in p], axis=1)
+    return jnp.concatenate([p[k].reshape(m, -1) for k in _FLAT_KEYS if k in p], axis=1)
 
 
 def _stack_attrs(cfg):
@@ -228,8 +229,8 @@ def _vsn_apply(params, xs, c, eps):
     :func:`_grn_combined`: the kernels where they apply, else the reference)."""
     m, d = xs.shape[-2:]
     xs = xs.astype(jnp.float32)  # once: a bfloat16 xs gets its float32 gradient rounded once
-    logits = _grn_reference(params["selection"], xs.reshape(xs.shape[:-2] + (m * d,)), c, eps)
-    v = jax.nn.softmax(logits, axis=-1)
+    # the selection GRN and its softmax: ffi/grn.cu's kernels (softmax fused) where they apply
+    v = _grn_apply(params["selection"], xs.reshape(xs.shape[:-2] + (m * d,)), c, eps, softmax=True)
     return _grn_combined(params["variables"], xs, v, eps), v
 
 

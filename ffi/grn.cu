@@ -1,0 +1,745 @@
+// grn: one gated residual network with small hidden and output widths, forward and backward kernels and
+// their XLA FFI handlers (targets jaxfox_grn_fwd, jaxfox_grn_bwd). Math: jaxfox/grn.py (TFT eqs. 2-5,
+// google-research gated_residual_network); OPS.md "GRN, GLU, VSN". jaxfox/grn.py runs them for GRNs
+// without context whose widths fit (I <= kMaxIn, H <= kMaxHidden, O <= kMaxOut, and the shared memory /
+// register-tile limits below): the VSN's selection GRN (I = m d = 192, H = 32, O = m = 48 in the main job)
+// and the perception model's head GRN (I = 64, H = O = 32 on B = 32 rows).
+//
+// Per row r (of R), a = a[r, :] (I values):
+//   a2 = a W2 + b2,  e2 = ELU(a2)                 [H]
+//   e1 = e2 W1 + b1                                [H]
+//   g4 = e1 W4 + b4, g5 = e1 W5 + b5               [O]
+//   z  = s + g4 * sigmoid(g5),  s = a Ws + bs (I != O) or a (I == O)
+//   y  = LayerNorm(z) = zhat * gamma + beta        (jaxfox.grn.layer_norm's shifted passes)
+//   out = y, or softmax(y) over the O entries when softmax = 1 (the VSN's selection weights, TFT eq. 6)
+// Backward from the cotangent g of out: dy = g, or with softmax dy = v (g - sum_o v g);
+//   gy = dy gamma,  dz = rstd (gy - mean(gy) - zhat mean(gy zhat))
+//   dg4 = dz sigmoid(g5),  dg5 = dz g4 sigmoid(g5) (1 - sigmoid(g5))
+//   de1 = dg4 W4^T + dg5 W5^T,  da2 = (de1 W1^T) ELU'(a2)   (ELU'(a2) = 1 if e2 > 0 else e2 + 1)
+//   da  = da2 W2^T + (dz Ws^T or dz)
+//   dW2 = a^T da2, dW1 = e2^T de1, dW4 = e1^T dg4, dW5 = e1^T dg5, dWs = a^T dz, db* = column sums,
+//   dgamma = sum dy zhat, dbeta = sum dy    (sums over the rows)
+//
+// Kernels: one CTA of 256 threads (8 warps) per run of consecutive 32-row tiles (and vmap instance); the
+// weights are staged in shared memory once per CTA with an odd row stride, so that both the products
+// (lanes reading consecutive columns of a row) and the backward's transposed products (lanes reading
+// consecutive rows of a column) are free of bank conflicts. Activations are k-major ([width][kTRp] floats):
+// warp w holds rows 4 w .. 4 w + 3 of the tile and reads them with one broadcast float4; lane l computes
+// the columns l and l + 32 (widths up to 64; the backward's d a loops over column chunks of 64). A row's
+// LayerNorm and softmax are warp reductions. The backward CTA recomputes the forward of its rows, loops
+// over `tiles_per_block` row tiles (a function of the shape only, chosen by jaxfox/grn.py), accumulates the
+// parameter gradient in registers (4 x 4 tiles of each dW, up to kWSlots a thread; column sums for the
+// biases, gamma and beta), each element summed over the rows in a fixed order, and writes one partial row
+// [P] per CTA; LaunchReduceAxis0 sums the partials in a fixed order in the same handler. No atomics:
+// bitwise deterministic, and a row's outputs do not depend on the other rows.
+#include <algorithm>
+#include <cmath>
+
+#include "common.h"
+
+namespace jaxfox {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowTile = 32;          // rows per tile: 8 warps x 4 rows (jaxfox/grn.py _ROW_TILE)
+constexpr int kTRp = kRowTile + 4;    // row stride of the k-major activation arrays (float4 aligned)
+constexpr int kMaxIn = 256;           // I (jaxfox/grn.py KERNEL_MAX_INPUT)
+constexpr int kMaxHidden = 64;        // H (KERNEL_MAX_HIDDEN): two columns a lane
+constexpr int kMaxOut = 64;           // O (KERNEL_MAX_OUTPUT)
+constexpr int kWSlots = 6;            // 4 x 4 dW tiles a thread (jaxfox/grn.py _W_SLOTS)
+constexpr int kBiasSlots = 2;         // bias / gamma / beta columns a thread: 2 H + 5 O <= 448 <= 512
+constexpr int kMats = 5;              // dW2, dW1, dW4, dW5, dWs
+
+__host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
+__host__ __device__ inline int Odd(int n) { return n | 1; }  // staged row stride of a [K][n] weight
+
+// Shared-memory layout (offsets in floats, each a multiple of 4); jaxfox/grn.py _smem_bytes mirrors it.
+struct SmemLayout {
+  int w2, ws, w1, w4, w5;              // weights [K][Odd(N)]
+  int b2, b1, b4, b5, bs, gamma, beta;
+  int a, e2, e1;                       // k-major a^T [Round4(I)], e2^T, e1^T [Round4(H)]
+  int dz, dg4, dg5, de1, da2;          // backward: [Round4(O)] x 3, [Round4(H)] x 2
+  int scratch;                         // backward: [2][kWarps][O] dgamma / dbeta partials of the warps
+  int total;
+};
+
+__host__ __device__ inline SmemLayout MakeSmemLayout(int I, int H, int O, bool skip, bool bwd) {
+  SmemLayout S;
+  int o = 0;
+  auto take = [&o](int n) { const int at = o; o += Round4(n); return at; };
+  S.w2 = take(I * Odd(H));
+  S.ws = take(skip ? I * Odd(O) : 0);
+  S.w1 = take(H * Odd(H));
+  S.w4 = take(H * Odd(O));
+  S.w5 = take(H * Odd(O));
+  S.b2 = take(H); S.b1 = take(H); S.b4 = take(O); S.b5 = take(O); S.bs = take(skip ? O : 0);
+  S.gamma = take(O); S.beta = take(O);
+  S.a = take(Round4(I) * kTRp);
+  S.e2 = take(Round4(H) * kTRp);
+  S.e1 = take(Round4(H) * kTRp);
+  S.dz = S.dg4 = S.dg5 = S.de1 = S.da2 = S.scratch = o;
+  if (bwd) {
+    S.dz = take(Round4(O) * kTRp);
+    S.dg4 = take(Round4(O) * kTRp);
+    S.dg5 = take(Round4(O) * kTRp);
+    S.de1 = take(Round4(H) * kTRp);
+    S.da2 = take(Round4(H) * kTRp);
+    S.scratch = take(2 * kWarps * O);
+  }
+  S.total = o;
+  return S;
+}
+
+// The 4 x 4 dW tiles of all five matrices (jaxfox/grn.py _dw_tiles mirrors it).
+__host__ __device__ inline int DwTiles(int I, int H, int O, bool skip) {
+  auto t = [](int K, int N) { return (Round4(K) / 4) * (Round4(N) / 4); };
+  return t(I, H) + t(H, H) + 2 * t(H, O) + (skip ? t(I, O) : 0);
+}
+
+struct GrnDims {
+  int64_t V = -1, R = 0;
+  int I = 0, H = 0, O = 0;
+  bool skip = false, softmax = false;
+  float eps = 1e-5f;
+};
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// Asynchronous 4-byte global -> shared copies (cp.async, sm_80+): a thread issues all of its copies without
+// waiting on each load (a load-then-store loop waits one memory latency per element: 80 of them a thread for
+// the VSN's selection GRN). src_valid false writes 0 and reads nothing. CpAsyncWait, then a barrier, before use.
+__device__ __forceinline__ void CpAsync4(float* dst, const float* src, bool src_valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_valid ? 4 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Stages W [K][N] (row-major at src) into dst with row stride Odd(N) (asynchronously: CpAsyncWait).
+__device__ __forceinline__ void StageMatrix(float* dst, const float* __restrict__ src, int K, int N) {
+  const int ld = Odd(N);
+  for (int idx = threadIdx.x; idx < K * N; idx += kThreads) {
+    const int k = idx / N, n = idx - k * N;
+    CpAsync4(dst + k * ld + n, src + idx, true);
+  }
+}
+
+__device__ __forceinline__ void StageVector(float* dst, const float* __restrict__ src, int n) {
+  for (int i = threadIdx.x; i < n; i += kThreads) CpAsync4(dst + i, src + i, true);
+}
+
+__device__ void StageWeights(float* sm, const SmemLayout& S, const float* __restrict__ w, const GrnParamLayout& L,
+                             const GrnDims& D) {
+  StageMatrix(sm + S.w2, w + L.w2, D.I, D.H);
+  StageMatrix(sm + S.w1, w + L.w1, D.H, D.H);
+  StageMatrix(sm + S.w4, w + L.w4, D.H, D.O);
+  StageMatrix(sm + S.w5, w + L.w5, D.H, D.O);
+  if (D.skip) {
+    StageMatrix(sm + S.ws, w + L.ws, D.I, D.O);
+    StageVector(sm + S.bs, w + L.bs, D.O);
+  }
+  StageVector(sm + S.b2, w + L.b2, D.H);
+  StageVector(sm + S.b1, w + L.b1, D.H);
+  StageVector(sm + S.b4, w + L.b4, D.O);
+  StageVector(sm + S.b5, w + L.b5, D.O);
+  StageVector(sm + S.gamma, w + L.gamma, D.O);
+  StageVector(sm + S.beta, w + L.beta, D.O);
+}
+
+// acc[i][c] += sum_{k < K} AT[k][r0 + i] * W[k * ks + col_c * cs] with col_c = c0 + lane + 32 c, for the
+// columns < N (the others get 0 added). ks = Odd(N), cs = 1 reads a staged W [K][N]; ks = 1, cs = Odd(K)
+// reads the transpose of a staged [N][K] matrix.
+__device__ __forceinline__ void TileGemm(const float* AT, int K, const float* W, int ks, int cs, int N, int c0,
+                                         int r0, int lane, float (&acc)[4][2]) {
+  const int col0 = c0 + lane, col1 = col0 + 32;
+  const bool v0 = col0 < N, v1 = col1 < N;
+  const float* w0 = W + (v0 ? col0 : 0) * cs;
+  const float* w1 = W + (v1 ? col1 : 0) * cs;
+#pragma unroll 4
+  for (int k = 0; k < K; ++k) {
+    const float4 a = *reinterpret_cast<const float4*>(AT + k * kTRp + r0);
+    const float b0 = v0 ? w0[k * ks] : 0.f;
+    const float b1 = v1 ? w1[k * ks] : 0.f;
+    acc[0][0] = fmaf(a.x, b0, acc[0][0]); acc[0][1] = fmaf(a.x, b1, acc[0][1]);
+    acc[1][0] = fmaf(a.y, b0, acc[1][0]); acc[1][1] = fmaf(a.y, b1, acc[1][1]);
+    acc[2][0] = fmaf(a.z, b0, acc[2][0]); acc[2][1] = fmaf(a.z, b1, acc[2][1]);
+    acc[3][0] = fmaf(a.w, b0, acc[3][0]); acc[3][1] = fmaf(a.w, b1, acc[3][1]);
+  }
+}
+
+__device__ __forceinline__ void InitZero(float (&acc)[4][2]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { acc[i][0] = 0.f; acc[i][1] = 0.f; }
+}
+
+// acc[i][c] += b[col_c] for the columns < N (after the product, as XLA's a @ W + b rounds).
+__device__ __forceinline__ void AddBias(const float* b, int N, int lane, float (&acc)[4][2]) {
+  const float b0 = lane < N ? b[lane] : 0.f, b1 = lane + 32 < N ? b[lane + 32] : 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { acc[i][0] += b0; acc[i][1] += b1; }
+}
+
+// AT[c][r0 .. r0 + 3] = v[.][c] for the columns c < Round4(N); columns >= N get 0.
+__device__ __forceinline__ void StoreTile(float* AT, int N, int r0, int lane, const float (&v)[4][2]) {
+  const int Np = Round4(N);
+#pragma unroll
+  for (int cc = 0; cc < 2; ++cc) {
+    const int c = lane + 32 * cc;
+    if (c < Np) {
+      const bool ok = c < N;
+      *reinterpret_cast<float4*>(AT + c * kTRp + r0) =
+          make_float4(ok ? v[0][cc] : 0.f, ok ? v[1][cc] : 0.f, ok ? v[2][cc] : 0.f, ok ? v[3][cc] : 0.f);
+    }
+  }
+}
+
+// Loads rows [row0, row0 + 32) of a [R, I] into aT[k][r] (zeros for rows >= R and k >= I), asynchronously
+// (CpAsyncWait).
+__device__ __forceinline__ void LoadA(float* aT, const float* __restrict__ a, int64_t row0, int64_t R, int I) {
+  const int ip = Round4(I);
+  for (int idx = threadIdx.x; idx < kRowTile * ip; idx += kThreads) {
+    const int r = idx / ip, k = idx - r * ip;
+    const int64_t row = row0 + r;
+    const bool ok = row < R && k < I;
+    CpAsync4(aT + k * kTRp + r, ok ? a + row * I + k : a, ok);
+  }
+}
+
+// The forward of one row tile, up to the LayerNorm: fills S.a, S.e2, S.e1 and returns, for the thread's
+// 4 rows x 2 columns, g4, g5, zhat and rstd. Starts after the weights are staged (its first barrier
+// orders them); the callers' next barrier orders what follows.
+struct TileFwd {
+  float g4[4][2], g5[4][2], zhat[4][2], rstd[4];
+};
+
+__device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, const float* __restrict__ a,
+                                            int64_t row0, const GrnDims& D, int r0, int lane, TileFwd& t) {
+  const int I = D.I, H = D.H, O = D.O;
+  LoadA(sm + S.a, a, row0, D.R, I);
+  CpAsyncWait();     // this thread's copies (the tile's a, and the weights staged before the first tile)
+  __syncthreads();   // everyone's
+  float acc[4][2];
+  InitZero(acc);
+  TileGemm(sm + S.a, I, sm + S.w2, Odd(H), 1, H, 0, r0, lane, acc);
+  AddBias(sm + S.b2, H, lane, acc);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) acc[i][c] = acc[i][c] > 0.f ? acc[i][c] : expm1f(acc[i][c]);
+  StoreTile(sm + S.e2, H, r0, lane, acc);
+  __syncthreads();
+  InitZero(acc);
+  TileGemm(sm + S.e2, H, sm + S.w1, Odd(H), 1, H, 0, r0, lane, acc);
+  AddBias(sm + S.b1, H, lane, acc);
+  StoreTile(sm + S.e1, H, r0, lane, acc);
+  __syncthreads();
+  InitZero(t.g4);
+  InitZero(t.g5);
+  TileGemm(sm + S.e1, H, sm + S.w4, Odd(O), 1, O, 0, r0, lane, t.g4);
+  TileGemm(sm + S.e1, H, sm + S.w5, Odd(O), 1, O, 0, r0, lane, t.g5);
+  AddBias(sm + S.b4, O, lane, t.g4);
+  AddBias(sm + S.b5, O, lane, t.g5);
+  float z[4][2];
+  if (D.skip) {
+    InitZero(z);
+    TileGemm(sm + S.a, I, sm + S.ws, Odd(O), 1, O, 0, r0, lane, z);
+    AddBias(sm + S.bs, O, lane, z);
+  } else {  // I == O: identity skip
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = lane + 32 * c;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) z[i][c] = col < O ? sm[S.a + col * kTRp + r0 + i] : 0.f;
+    }
+  }
+  const bool v0 = lane < O, v1 = lane + 32 < O;
+  const float inv_o = 1.f / static_cast<float>(O);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float z0 = z[i][0] + t.g4[i][0] * Sigmoid(t.g5[i][0]);
+    const float z1 = z[i][1] + t.g4[i][1] * Sigmoid(t.g5[i][1]);
+    const float x0 = __shfl_sync(0xffffffffu, z0, 0);  // the row's column 0
+    float d0 = v0 ? z0 - x0 : 0.f, d1 = v1 ? z1 - x0 : 0.f;
+    const float mean = WarpSum(d0 + d1) * inv_o;
+    d0 = v0 ? d0 - mean : 0.f;
+    d1 = v1 ? d1 - mean : 0.f;
+    const float corr = WarpSum(d0 + d1) * inv_o;
+    d0 = v0 ? d0 - corr : 0.f;
+    d1 = v1 ? d1 - corr : 0.f;
+    const float var = WarpSum(d0 * d0 + d1 * d1) * inv_o;
+    const float rstd = rsqrtf(var + D.eps);
+    t.rstd[i] = rstd;
+    t.zhat[i][0] = d0 * rstd;
+    t.zhat[i][1] = d1 * rstd;
+  }
+}
+
+// y = zhat gamma + beta of the thread's 4 rows x 2 columns, or softmax(y) over the row's O columns
+// (max subtracted; columns >= O give 0).
+__device__ __forceinline__ void Output(const float* sm, const SmemLayout& S, const GrnDims& D, int lane,
+                                       const TileFwd& t, float (&out)[4][2]) {
+  const int O = D.O;
+  const bool v0 = lane < O, v1 = lane + 32 < O;
+  const float g0 = v0 ? sm[S.gamma + lane] : 0.f, g1 = v1 ? sm[S.gamma + lane + 32] : 0.f;
+  const float b0 = v0 ? sm[S.beta + lane] : 0.f, b1 = v1 ? sm[S.beta + lane + 32] : 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float y0 = fmaf(t.zhat[i][0], g0, b0), y1 = fmaf(t.zhat[i][1], g1, b1);
+    if (!D.softmax) {
+      out[i][0] = y0;
+      out[i][1] = y1;
+      continue;
+    }
+    const float mx = WarpMax(fmaxf(v0 ? y0 : -INFINITY, v1 ? y1 : -INFINITY));
+    const float e0 = v0 ? expf(y0 - mx) : 0.f, e1 = v1 ? expf(y1 - mx) : 0.f;
+    const float sum = WarpSum(e0 + e1);
+    out[i][0] = e0 / sum;
+    out[i][1] = e1 / sum;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const __grid_constant__ GrnDims D,
+               const __grid_constant__ GrnParamLayout L, const __grid_constant__ SmemLayout S, int tiles_per_block,
+               float* __restrict__ out) {
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const int64_t v = blockIdx.z;
+  StageWeights(sm, S, w + v * L.P, L, D);
+  const int lane = threadIdx.x & 31, r0 = 4 * (threadIdx.x >> 5);
+  const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
+  const float* av = a + v * D.R * D.I;
+  float* ov = out + v * D.R * D.O;
+  for (int tt = 0; tt < tiles_per_block; ++tt) {
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
+    if (tile >= tiles) break;
+    const int64_t row0 = tile * kRowTile;
+    TileFwd t;
+    ForwardTile(sm, S, av, row0, D, r0, lane, t);
+    float y[4][2];
+    Output(sm, S, D, lane, t, y);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = lane + 32 * c;
+      if (col >= D.O) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = row0 + r0 + i;
+        if (row < D.R) ov[row * D.O + col] = y[i][c];
+      }
+    }
+    __syncthreads();  // the next tile's LoadA overwrites a, which this tile's skip path read
+  }
+}
+
+// One 4 x 4 tile of a parameter-gradient matrix dW [K][N] = sum_r P^T[k][r] Q^T[n][r]: the thread's rows
+// k = kt + KT a and columns n = nt + NT b (a, b < 4; interleaved so that neighbouring threads read
+// neighbouring rows of Q^T without bank conflicts).
+struct WTile {
+  int p, q;        // smem offsets of P^T and Q^T
+  int kt, KT, nt, NT, K, N;
+  int out;         // offset of dW in the parameter row
+  bool active;
+};
+
+// One column sum of the parameter gradient: a bias (column of a k-major Q^T array), or dgamma / dbeta
+// (the warps' partials in the scratch array).
+struct BiasSlot {
+  int src;         // smem offset of the column (kind 0) or of scratch[half][0][col] (kind 1)
+  int out;         // offset in the parameter row
+  int kind;        // -1 none, 0 column of a Q^T array, 1 scratch column
+};
+
+__global__ void __launch_bounds__(kThreads, 1)
+grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const float* __restrict__ g,
+               const __grid_constant__ GrnDims D, const __grid_constant__ GrnParamLayout L,
+               const __grid_constant__ SmemLayout S, int tiles_per_block, float* __restrict__ da,
+               float* __restrict__ partial) {
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const int tid = threadIdx.x;
+  const int64_t v = blockIdx.z;
+  const int I = D.I, H = D.H, O = D.O;
+  StageWeights(sm, S, w + v * L.P, L, D);
+
+  // The thread's parameter-gradient work, fixed for the CTA: up to kWSlots dW tiles and kBiasSlots column
+  // sums (biases, gamma, beta).
+  const int nmat = D.skip ? kMats : kMats - 1;
+  const int mp[kMats] = {S.a, S.e2, S.e1, S.e1, S.a};
+  const int mq[kMats] = {S.da2, S.de1, S.dg4, S.dg5, S.dz};
+  const int mk[kMats] = {I, H, H, H, I};
+  const int mn[kMats] = {H, H, O, O, O};
+  const int mo[kMats] = {L.w2, L.w1, L.w4, L.w5, L.ws};
+  const int mb[kMats] = {L.b2, L.b1, L.b4, L.b5, L.bs};
+  WTile wt[kWSlots];
+  float wacc[kWSlots][4][4];
+#pragma unroll
+  for (int s = 0; s < kWSlots; ++s) {
+    wt[s].active = false;
+    int idx = tid + s * kThreads;
+    for (int q = 0; q < nmat; ++q) {
+      const int KT = Round4(mk[q]) / 4, NT = Round4(mn[q]) / 4;
+      if (!wt[s].active && idx < KT * NT) {
+        wt[s] = WTile{mp[q], mq[q], idx / NT, KT, idx % NT, NT, mk[q], mn[q], mo[q], true};
+      }
+      if (!wt[s].active) idx -= KT * NT;
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+#pragma unroll
+      for (int y = 0; y < 4; ++y) wacc[s][x][y] = 0.f;
+  }
+  BiasSlot bs[kBiasSlots];
+  float bacc[kBiasSlots];
+#pragma unroll
+  for (int s = 0; s < kBiasSlots; ++s) {
+    bs[s].kind = -1;
+    bacc[s] = 0.f;
+    int idx = tid + s * kThreads;
+    for (int q = 0; q < nmat; ++q) {
+      if (bs[s].kind < 0 && idx < mn[q]) bs[s] = BiasSlot{mq[q] + idx * kTRp, mb[q] + idx, 0};
+      if (bs[s].kind < 0) idx -= mn[q];
+    }
+    if (bs[s].kind < 0 && idx < 2 * O) {
+      const int half = idx < O ? 0 : 1, col = idx - half * O;
+      bs[s] = BiasSlot{S.scratch + half * kWarps * O + col, (half ? L.beta : L.gamma) + col, 1};
+    }
+  }
+
+  const int warp = tid >> 5, lane = tid & 31, r0 = 4 * warp;
+  const float inv_o = 1.f / static_cast<float>(O);
+  const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
+  const float* av = a + v * D.R * I;
+  const float* gv = g + v * D.R * O;
+  float* dav = da + v * D.R * I;
+  for (int tt = 0; tt < tiles_per_block; ++tt) {
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
+    if (tile >= tiles) break;
+    const int64_t row0 = tile * kRowTile;
+    TileFwd t;
+    ForwardTile(sm, S, av, row0, D, r0, lane, t);
+    float y[4][2];
+    Output(sm, S, D, lane, t, y);  // softmax weights when D.softmax (their gradient needs them)
+
+    // Softmax, LayerNorm and GLU backward: dz, dg4, dg5 of the thread's 4 rows x 2 columns.
+    float dz[4][2], dg4[4][2], dg5[4][2];
+    float pg[2] = {0.f, 0.f}, pb[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = row0 + r0 + i;
+      float dy[2], gy[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = lane + 32 * c;
+        dy[c] = (col < O && row < D.R) ? __ldg(gv + row * O + col) : 0.f;
+      }
+      if (D.softmax) {  // dy = v (g - sum_o v g)
+        const float vg = WarpSum(y[i][0] * dy[0] + y[i][1] * dy[1]);
+        dy[0] = y[i][0] * (dy[0] - vg);
+        dy[1] = y[i][1] * (dy[1] - vg);
+      }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = lane + 32 * c;
+        gy[c] = col < O ? dy[c] * sm[S.gamma + col] : 0.f;
+        pg[c] = fmaf(dy[c], t.zhat[i][c], pg[c]);
+        pb[c] += dy[c];
+      }
+      const float mg = WarpSum(gy[0] + gy[1]) * inv_o;
+      const float mgz = WarpSum(gy[0] * t.zhat[i][0] + gy[1] * t.zhat[i][1]) * inv_o;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = lane + 32 * c;
+        dz[i][c] = col < O ? t.rstd[i] * (gy[c] - mg - t.zhat[i][c] * mgz) : 0.f;
+        const float sg = Sigmoid(t.g5[i][c]);
+        dg4[i][c] = dz[i][c] * sg;
+        dg5[i][c] = dz[i][c] * t.g4[i][c] * sg * (1.f - sg);
+      }
+    }
+    StoreTile(sm + S.dz, O, r0, lane, dz);
+    StoreTile(sm + S.dg4, O, r0, lane, dg4);
+    StoreTile(sm + S.dg5, O, r0, lane, dg5);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = lane + 32 * c;
+      if (col < O) {
+        sm[S.scratch + warp * O + col] = pg[c];
+        sm[S.scratch + (kWarps + warp) * O + col] = pb[c];
+      }
+    }
+    __syncthreads();
+
+    // de1 = dg4 W4^T + dg5 W5^T
+    float acc[4][2];
+    InitZero(acc);
+    TileGemm(sm + S.dg4, O, sm + S.w4, 1, Odd(O), H, 0, r0, lane, acc);
+    TileGemm(sm + S.dg5, O, sm + S.w5, 1, Odd(O), H, 0, r0, lane, acc);
+    StoreTile(sm + S.de1, H, r0, lane, acc);
+    __syncthreads();
+
+    // da2 = (de1 W1^T) ELU'(a2)
+    InitZero(acc);
+    TileGemm(sm + S.de1, H, sm + S.w1, 1, Odd(H), H, 0, r0, lane, acc);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = lane + 32 * c;
+      if (col < H) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float e2 = sm[S.e2 + col * kTRp + r0 + i];
+          acc[i][c] *= e2 > 0.f ? 1.f : e2 + 1.f;
+        }
+      }
+    }
+    StoreTile(sm + S.da2, H, r0, lane, acc);
+    __syncthreads();
+
+    // da = da2 W2^T + (dz Ws^T or dz), in column chunks of 64
+    for (int c0 = 0; c0 < I; c0 += 64) {
+      InitZero(acc);
+      TileGemm(sm + S.da2, H, sm + S.w2, 1, Odd(H), I, c0, r0, lane, acc);
+      if (D.skip) {
+        TileGemm(sm + S.dz, O, sm + S.ws, 1, Odd(O), I, c0, r0, lane, acc);
+      } else {  // I == O
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = c0 + lane + 32 * c;
+          if (col < I) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i][c] += sm[S.dz + col * kTRp + r0 + i];
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = c0 + lane + 32 * c;
+        if (col >= I) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t row = row0 + r0 + i;
+          if (row < D.R) dav[row * I + col] = acc[i][c];
+        }
+      }
+    }
+
+    // Parameter gradients of the tile's rows (rows >= R have zero Q^T columns).
+#pragma unroll
+    for (int s = 0; s < kWSlots; ++s) {
+      if (!wt[s].active) continue;
+      const float* pT = sm + wt[s].p + wt[s].kt * kTRp;
+      const float* qT = sm + wt[s].q + wt[s].nt * kTRp;
+      const int pstep = wt[s].KT * kTRp, qstep = wt[s].NT * kTRp;
+#pragma unroll 2
+      for (int r = 0; r < kRowTile; r += 4) {
+        float4 pa[4], qb[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) pa[x] = *reinterpret_cast<const float4*>(pT + x * pstep + r);
+#pragma unroll
+        for (int y2 = 0; y2 < 4; ++y2) qb[y2] = *reinterpret_cast<const float4*>(qT + y2 * qstep + r);
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+          for (int y2 = 0; y2 < 4; ++y2) {
+            float acc1 = wacc[s][x][y2];
+            acc1 = fmaf(pa[x].x, qb[y2].x, acc1);
+            acc1 = fmaf(pa[x].y, qb[y2].y, acc1);
+            acc1 = fmaf(pa[x].z, qb[y2].z, acc1);
+            acc1 = fmaf(pa[x].w, qb[y2].w, acc1);
+            wacc[s][x][y2] = acc1;
+          }
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kBiasSlots; ++s) {
+      if (bs[s].kind == 0) {
+        float sum = 0.f;
+        for (int r = 0; r < kRowTile; r += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(sm + bs[s].src + r);
+          sum += (q.x + q.y) + (q.z + q.w);
+        }
+        bacc[s] += sum;
+      } else if (bs[s].kind == 1) {
+        float sum = 0.f;
+        for (int x = 0; x < kWarps; ++x) sum += sm[bs[s].src + x * O];
+        bacc[s] += sum;
+      }
+    }
+    __syncthreads();  // the next tile overwrites a, e2, e1, the gradient arrays and the scratch
+  }
+
+  // One partial row [P] per CTA: every parameter element written by exactly one thread.
+  float* out = partial + (v * gridDim.x + blockIdx.x) * L.P;
+#pragma unroll
+  for (int s = 0; s < kWSlots; ++s) {
+    if (!wt[s].active) continue;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int k = wt[s].kt + wt[s].KT * x;
+      if (k >= wt[s].K) continue;
+#pragma unroll
+      for (int y2 = 0; y2 < 4; ++y2) {
+        const int n = wt[s].nt + wt[s].NT * y2;
+        if (n < wt[s].N) out[wt[s].out + k * wt[s].N + n] = wacc[s][x][y2];
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kBiasSlots; ++s) {
+    if (bs[s].kind >= 0) out[bs[s].out] = bacc[s];
+  }
+}
+
+// Shared checks of both handlers: w [.., P], a [.., R, I] (float32), the widths, the limits and eps.
+ffi::Error CheckGrn(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F32>& a, int64_t hidden_size,
+                    int64_t output_size, float eps, int64_t softmax, GrnDims* D, GrnParamLayout* L) {
+  auto ad = a.dimensions();
+  if (ad.size() < 2) return InvalidArgument("grn: a must have rank >= 2 [R, I], got " + DimsToString(ad));
+  D->R = ad[ad.size() - 2];
+  const int64_t I = ad[ad.size() - 1];
+  if (I < 1 || I > kMaxIn || hidden_size < 1 || hidden_size > kMaxHidden || output_size < 1 ||
+      output_size > kMaxOut) {
+    return InvalidArgument("grn: widths I=" + std::to_string(I) + ", hidden_size=" + std::to_string(hidden_size) +
+                           ", output_size=" + std::to_string(output_size) + " must be in [1, " +
+                           std::to_string(kMaxIn) + "], [1, " + std::to_string(kMaxHidden) + "], [1, " +
+                           std::to_string(kMaxOut) + "]");
+  }
+  if (!(eps > 0.f) || !std::isfinite(eps)) return InvalidArgument("grn: eps must be a finite float > 0");
+  if (softmax != 0 && softmax != 1) return InvalidArgument("grn: softmax must be 0 or 1");
+  D->I = static_cast<int>(I);
+  D->H = static_cast<int>(hidden_size);
+  D->O = static_cast<int>(output_size);
+  D->skip = D->I != D->O;
+  D->softmax = softmax == 1;
+  D->eps = eps;
+  if (DwTiles(D->I, D->H, D->O, D->skip) > kThreads * kWSlots) {
+    return InvalidArgument("grn: widths I=" + std::to_string(I) + ", H=" + std::to_string(hidden_size) + ", O=" +
+                           std::to_string(output_size) + " need more than " + std::to_string(kThreads * kWSlots) +
+                           " 4 x 4 parameter-gradient tiles");
+  }
+  *L = MakeGrnParamLayout(D->I, D->H, D->O, D->skip);
+  D->V = -1;
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w, "grn: w", {L->P}, &D->V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(a, "grn: a", {D->R, I}, &D->V));
+  if (D->V > 65535) return InvalidArgument("grn: more than 65535 batched instances");
+  if (CeilDiv(D->R, kRowTile) > 0x7fffffff) return InvalidArgument("grn: too many rows");
+  return ffi::Error::Success();
+}
+
+// FFI target jaxfox_grn_fwd: w [.., P], a [.., R, I] -> out [.., R, O] (all float32): y, or softmax(y).
+ffi::Error GrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> a, int64_t hidden_size,
+                      int64_t output_size, float eps, int64_t softmax, ffi::ResultBuffer<ffi::F32> out) {
+  ClearStaleCudaError();
+  GrnDims D;
+  GrnParamLayout L;
+  JAXFOX_RETURN_IF_ERROR(CheckGrn(w, a, hidden_size, output_size, eps, softmax, &D, &L));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*out, "grn: out", {D.R, D.O}, &D.V));
+  if (D.V == 0 || D.R == 0) return ffi::Error::Success();
+  const SmemLayout S = MakeSmemLayout(D.I, D.H, D.O, D.skip, false);
+  const int64_t bytes = static_cast<int64_t>(S.total) * 4;
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem("grn", grn_fwd_kernel, bytes));
+  // Row tiles per CTA: about one wave of one CTA an SM, each staging the weights once for its tiles (a row's
+  // result does not depend on the tiling).
+  const int64_t tiles = CeilDiv(D.R, kRowTile);
+  const int64_t slots = std::max<int64_t>(1, GetDeviceInfo().sm_count);
+  const int64_t per = std::max<int64_t>(1, CeilDiv(tiles * D.V, slots));
+  const int64_t blocks = CeilDiv(tiles, std::min(per, tiles));
+  dim3 grid(static_cast<unsigned>(blocks), 1, static_cast<unsigned>(D.V));
+  grn_fwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), a.typed_data(), D, L, S,
+                                                    static_cast<int>(CeilDiv(tiles, blocks)), out->typed_data());
+  return LastCudaError("grn_fwd");
+}
+
+// FFI target jaxfox_grn_bwd: (w, a, g [.., R, O] the cotangent of out) -> dw [.., P], da [.., R, I], and the
+// workspaces partials [.., blocks, P] (blocks = ceil(ceil(R / 32) / tiles_per_block)) and chunk partials
+// [.., chunks * P] (or [.., 0] when chunks == 1).
+ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> a,
+                      ffi::Buffer<ffi::F32> g, int64_t hidden_size, int64_t output_size, float eps, int64_t softmax,
+                      int64_t tiles_per_block, int64_t chunks, ffi::ResultBuffer<ffi::F32> dw,
+                      ffi::ResultBuffer<ffi::F32> da, ffi::ResultBuffer<ffi::F32> part,
+                      ffi::ResultBuffer<ffi::F32> ws) {
+  ClearStaleCudaError();
+  GrnDims D;
+  GrnParamLayout L;
+  JAXFOX_RETURN_IF_ERROR(CheckGrn(w, a, hidden_size, output_size, eps, softmax, &D, &L));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(g, "grn: g", {D.R, D.O}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*dw, "grn: dw", {L.P}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*da, "grn: da", {D.R, D.I}, &D.V));
+  if (tiles_per_block < 1 || tiles_per_block > 0x7fffffff) {
+    return InvalidArgument("grn: tiles_per_block must be >= 1, got " + std::to_string(tiles_per_block));
+  }
+  const int64_t tiles = CeilDiv(D.R, kRowTile);
+  const int64_t blocks = tiles == 0 ? 0 : CeilDiv(tiles, tiles_per_block);
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*part, "grn: partials workspace", {blocks, L.P}, &D.V));
+  if (D.V == 0) return ffi::Error::Success();
+  if (D.R == 0) {
+    cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * D.V * L.P, stream);
+    return LastCudaError("grn_bwd (R = 0)");
+  }
+  if (chunks < 1 || chunks > 65535 || chunks > blocks) {
+    return InvalidArgument("grn: chunks must be in [1, min(blocks, 65535)], got " + std::to_string(chunks));
+  }
+  const int64_t need = chunks > 1 ? D.V * chunks * L.P : 0;
+  if (static_cast<int64_t>(ws->element_count()) < need) {
+    return InvalidArgument("grn: workspace has " + std::to_string(ws->element_count()) + " elements, needs " +
+                           std::to_string(need));
+  }
+  if (blocks > 0x7fffffff) return InvalidArgument("grn: too many row tiles");
+  const SmemLayout S = MakeSmemLayout(D.I, D.H, D.O, D.skip, true);
+  const int64_t bytes = static_cast<int64_t>(S.total) * 4;
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem("grn", grn_bwd_kernel, bytes));
+  dim3 grid(static_cast<unsigned>(blocks), 1, static_cast<unsigned>(D.V));
+  grn_bwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), a.typed_data(), g.typed_data(), D, L, S,
+                                                    static_cast<int>(tiles_per_block), da->typed_data(),
+                                                    part->typed_data());
+  JAXFOX_RETURN_IF_ERROR(LastCudaError("grn_bwd"));
+  // [V, blocks, P] -> [V, P]: the CTAs' partials added in reduce.cu's fixed order.
+  return LaunchReduceAxis0(stream, part->typed_data(), D.V, blocks, L.P, chunks,
+                           chunks > 1 ? ws->typed_data() : nullptr, dw->typed_data());
+}
+
+}  // namespace
+}  // namespace jaxfox
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_fwd, jaxfox::GrnFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w [P]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // a [R, I]
+                                  .Attr<int64_t>("hidden_size")
+                                  .Attr<int64_t>("output_size")
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("softmax")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // out [R, O]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_bwd, jaxfox::GrnBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w [P]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // a [R, I]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // g [R, O]
+                                  .Attr<int64_t>("hidden_size")
+                                  .Attr<int64_t>("output_size")
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("softmax")
+                                  .Attr<int64_t>("tiles_per_block")
+                                  .Attr<int64_t>("chunks")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dw [P]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // da [R, I]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: per-CTA partials
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
+                              {xla::ffi::Traits::kCmdBufferCompatible});
