@@ -7,6 +7,7 @@
   equations (OPS.md "CfC cell and scan", ncps ``CfCCell``), a plain loop over time. It shares no
   code with ``jaxfox.cfc``.
 * ``rel_err``, ``random_cfc_params``, ``flat_grad_fd``: small helpers used by several test files.
+* ``module_opt_in``: a module's opt-in kernels (``JAXFOX_OPT_IN_KERNELS``) for that module's tests only.
 """
 
 from __future__ import annotations
@@ -174,6 +175,22 @@ def central_diff_grad(f, x, eps=1e-6):
 
 # ----------------------------------------------------------------------------------------------
 # GPU tests: run a script in a child process under given XLA_FLAGS (command buffers on/off).
+def module_opt_in(names):
+    """A module-scoped autouse fixture that sets ``JAXFOX_OPT_IN_KERNELS=names`` for the tests of the module that
+    binds it (``_opt_in = module_opt_in("all")``) and restores the previous value after them, so that one GPU
+    module's opt-in kernels do not leak into the modules that pytest runs after it in the same process.
+    Child processes started by those tests (:func:`run_child_npz`) inherit the setting."""
+    import pytest
+
+    @pytest.fixture(autouse=True, scope="module")
+    def _opt_in():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("JAXFOX_OPT_IN_KERNELS", names)
+            yield
+
+    return _opt_in
+
+
 def run_child_npz(script, xla_flags, path, env=None):
     """Runs ``python -c script path`` with ``XLA_FLAGS=xla_flags`` (and the extra environment variables
     ``env``); the script saves arrays to ``path`` (an .npz) and prints DONE. Returns {name: array}."""

@@ -9,11 +9,7 @@ max|kernel - reference| / max|reference| per array.
 from __future__ import annotations
 
 import functools
-import os
 
-# The attention_pool kernel is opt-in (slower than XLA so far, see jaxfox._ffi.OPT_IN); these tests exercise
-# it, and the command-buffer child processes inherit the setting.
-os.environ["JAXFOX_OPT_IN_KERNELS"] = "all"
 import textwrap
 
 import jax
@@ -24,9 +20,12 @@ import pytest
 import jaxfox
 from jaxfox import attention_pool, attention_pool_init
 from jaxfox.reduce import reduce_chunks
-from conftest import assert_command_buffers_identical
+from conftest import assert_command_buffers_identical, module_opt_in
 
 pytestmark = pytest.mark.gpu
+# The attention_pool kernel is opt-in (slower than XLA so far, see jaxfox._ffi.OPT_IN); these tests exercise
+# it, and the command-buffer child processes inherit the setting.
+_opt_in = module_opt_in("all")
 
 if not jaxfox.kernels_available():
     pytest.skip(f"attention_pool kernels not available: {jaxfox.kernels_unavailable_reason()}",

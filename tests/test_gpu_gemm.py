@@ -9,12 +9,8 @@ data); bfloat16 outputs are rounded to 8 bits (rel <= 1e-2 against float64 of th
 
 from __future__ import annotations
 
-import os
 import textwrap
 
-# The kernels are opt-in (slower than XLA's cuBLAS so far, see jaxfox._ffi.OPT_IN); these tests
-# exercise them, and the command-buffer child processes inherit the setting.
-os.environ["JAXFOX_OPT_IN_KERNELS"] = "all"
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +19,16 @@ import pytest
 
 import jaxfox
 
-from conftest import assert_command_buffers_identical, rel_err
+from conftest import assert_command_buffers_identical, rel_err, module_opt_in
 
 if not jaxfox.kernels_available():
     pytest.skip(f"jaxfox CUDA kernels unavailable: {jaxfox.kernels_unavailable_reason()}",
                 allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
+# The kernels are opt-in (slower than XLA's cuBLAS so far, see jaxfox._ffi.OPT_IN); these tests
+# exercise them, and the command-buffer child processes inherit the setting.
+_opt_in = module_opt_in("all")
 
 ODD = [(1, 1, 1), (7, 129, 3), (129, 7, 65), (16384, 256, 128), (0, 5, 4), (65, 64, 1), (3, 1000, 129)]
 

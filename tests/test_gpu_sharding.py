@@ -8,9 +8,7 @@ one GPU's up to reduction order and repeat bitwise.
 
 from __future__ import annotations
 
-import os
 
-os.environ["JAXFOX_OPT_IN_KERNELS"] = "all"  # exercise attention_pool's (opt-in) kernel too
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +19,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxfox
 from jaxfox.sharding import batch_mesh, batch_sharding
 
-from conftest import rel_err
+from conftest import rel_err, module_opt_in
 from test_sharding import OPS, _all_gathers, _grad_argnums, _loss
 
 pytestmark = pytest.mark.gpu
+_opt_in = module_opt_in("all")  # exercise attention_pool's (opt-in) kernel too
 
 
 def _gpus():
