@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+import jaxfox
 from conftest import assert_raises_naming as _bad, central_diff_grad, rel_err
 from jaxfox import grn, grn_init
 
@@ -386,3 +388,159 @@ def test_zero_rows():
     g = jax.grad(lambda p: jnp.sum(grn(p, jnp.zeros((0, 5)), jnp.zeros((0, 2)))))(p)
     assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(g))
 
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA kernel path (ffi/grn.cu), traced and lowered for CUDA on this CPU machine with the kernels forced
+# on: which FFI calls the program makes, with which operand shapes and attributes.
+GRN_FWD, GRN_BWD = "jaxfox_grn_fwd", "jaxfox_grn_bwd"
+VSN_FWD, VSN_BWD = "jaxfox_vsn_grn_fwd", "jaxfox_vsn_grn_bwd"
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    import jaxfox._ffi
+
+    # as on a GPU machine with the extension: available unless inside use_reference(); the GRN kernels are
+    # opt-in (slower than XLA so far, jaxfox._ffi.OPT_IN)
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: not jaxfox._ffi._reference_forced())
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn")
+
+
+def _cuda_calls(f, *args):
+    """{target: [the text after '@target(' on each call line]} of jit(f)'s CUDA lowering."""
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {}
+    for target, rest in re.findall(r"custom_call @(jaxfox_\w+)\((.*)", text):
+        calls.setdefault(target, []).append(rest)
+    return calls
+
+
+def _value_and_grad(eps=1e-5):
+    """(p, a, r) -> (grn(p, a), grads of sum(grn(p, a) * r) w.r.t. (p, a))."""
+    def loss(p, a, r):
+        return jnp.sum(grn(p, a, eps=eps) * r)
+
+    return lambda p, a, r: (grn(p, a, eps=eps), jax.grad(loss, argnums=(0, 1))(p, a, r))
+
+
+def _flat_size(I, H, O):
+    """P: floats of the flat parameter vector (every leaf of a context-free GRN once)."""
+    return I * H + H + H * H + H + 2 * (H * O + O) + (I * O + O if I != O else 0) + 2 * O
+
+
+def test_kernel_fits_truth_table():
+    fits = grn_mod._kernel_fits
+    assert (grn_mod.KERNEL_MAX_INPUT, grn_mod.KERNEL_MAX_HIDDEN, grn_mod.KERNEL_MAX_OUTPUT) == (256, 64, 64)
+    for shape in [(192, 0, 32, 48), (64, 0, 32, 32), (32, 0, 17, 32), (5, 0, 3, 7), (1, 0, 1, 1)]:
+        got = fits(*shape)
+        assert isinstance(got, bool) and got, shape
+    for shape in [(192, 5, 32, 48), (64, 1, 32, 32), (5, 3, 3, 7),         # a context
+                  (64, 0, 65, 32), (32, 0, 65, 65), (64, 0, 32, 65),        # Hd or O > 64
+                  (257, 0, 32, 32), (257, 0, 1, 1), (1000, 0, 32, 48)]:     # I > 256
+        got = fits(*shape)
+        assert isinstance(got, bool) and not got, shape
+    # the limits are monotone: a shape that fits still fits with any width smaller
+    for I, H, O in [(192, 32, 48), (64, 32, 32)]:
+        for smaller in [(I - 1, H, O), (I, H - 1, O), (I, H, O - 1), (1, 1, 1)]:
+            assert fits(smaller[0], 0, *smaller[1:]), smaller
+
+
+def test_kernel_path_lowers_for_cuda(kernels_on):
+    from jaxfox.reduce import reduce_chunks
+
+    R, I, H, O = 64, 192, 32, 48
+    p = random_grn_params(I, H, O, seed=1)
+    P = _flat_size(I, H, O)
+    a, r = jnp.zeros((R, I)), jnp.zeros((R, O))
+    calls = _cuda_calls(_value_and_grad(), p, a, r)
+    assert set(calls) == {GRN_FWD, GRN_BWD} and len(calls[GRN_FWD]) >= 1 and len(calls[GRN_BWD]) == 1
+    fwd, bwd = calls[GRN_FWD][0], calls[GRN_BWD][0]
+    assert f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>) -> tensor<{R}x{O}xf32>" in fwd
+    assert f"hidden_size = {H} : i64" in fwd and f"output_size = {O} : i64" in fwd and "eps = 9.99999974E-6" in fwd
+    assert "softmax = 1 : i64" not in fwd and "softmax = 1 : i64" not in bwd   # a plain GRN: no softmax
+    # the backward takes the parameters, a and d y; returns dw [P] and d a [R, I] (plus workspaces)
+    assert f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>, tensor<{R}x{O}xf32>) -> " in bwd
+    per, blocks = grn_mod._bwd_tiling(R)
+    chunks = reduce_chunks(blocks, P)
+    ws = f"tensor<{chunks * P}xf32>" if chunks > 1 else "tensor<0xf32>"
+    assert f"-> (tensor<{P}xf32>, tensor<{R}x{I}xf32>, tensor<{blocks}x{P}xf32>, {ws})" in bwd
+    assert f"tiles_per_block = {per} : i64" in bwd and f"chunks = {chunks} : i64" in bwd
+    # eps reaches both kernels; bfloat16 a and leading dims [B, T, I] keep the kernel path, whose operands are
+    # float32 [R, I]
+    calls = _cuda_calls(_value_and_grad(eps=1e-3), p, jnp.zeros((4, 16, I), jnp.bfloat16), jnp.zeros((4, 16, O)))
+    assert set(calls) == {GRN_FWD, GRN_BWD}
+    assert all("eps = 1.000000e-03" in c for c in calls[GRN_FWD] + calls[GRN_BWD])
+    assert f"tensor<{R}x{I}xf32>" in calls[GRN_FWD][0] and f"tensor<{R}x{I}xf32>" in calls[GRN_BWD][0]
+    # the identity skip (I == O) drops skip_w / skip_b from the flat vector
+    q = random_grn_params(32, 17, 32, seed=2)
+    calls = _cuda_calls(_value_and_grad(), q, jnp.zeros((37, 32)), jnp.zeros((37, 32)))
+    assert set(calls) == {GRN_FWD, GRN_BWD}
+    assert f"(tensor<{_flat_size(32, 17, 32)}xf32>, tensor<37x32xf32>) -> tensor<37x32xf32>" in calls[GRN_FWD][0]
+    with jaxfox.use_reference():
+        assert _cuda_calls(_value_and_grad(), p, a, r) == {}
+
+
+@pytest.mark.parametrize("opt_in", ["", "attention_pool", "grn,adamw", " grn ", "all"])
+def test_kernels_are_opt_in(kernels_on, monkeypatch, opt_in):
+    """Without ``grn`` (or ``all``) in JAXFOX_OPT_IN_KERNELS a GRN lowers to XLA code on CUDA too."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", opt_in)
+    p = random_grn_params(64, 32, 32, seed=6)
+    calls = _cuda_calls(_value_and_grad(), p, jnp.zeros((64, 64)), jnp.zeros((64, 32)))
+    want = {GRN_FWD, GRN_BWD} if opt_in.strip() in ("grn,adamw", "grn", "all") else set()
+    assert set(calls) == want
+
+
+def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on):
+    V, R, I, H, O = 3, 37, 5, 3, 7
+    ps = jax.vmap(lambda k: grn_init(k, I, H, O))(jax.random.split(jax.random.key(3), V))
+    P = _flat_size(I, H, O)
+    calls = _cuda_calls(jax.vmap(_value_and_grad()), ps, jnp.zeros((V, R, I)), jnp.zeros((V, R, O)))
+    assert set(calls) == {GRN_FWD, GRN_BWD}
+    for rest in calls[GRN_FWD] + calls[GRN_BWD]:   # broadcast_all: one call over the V instances
+        assert f"tensor<{V}x{P}xf32>" in rest and f"tensor<{V}x{R}x{I}xf32>" in rest, rest[-300:]
+
+
+@pytest.mark.parametrize("I,H,O,C", [(32, 32, 48, 5), (32, 65, 32, None), (32, 32, 65, None), (257, 32, 32, None)])
+def test_routed_shapes_lower_without_the_kernels(kernels_on, I, H, O, C):
+    """A context, Hd > 64, O > 64 or I > 256: the reference on CUDA too."""
+    p = random_grn_params(I, H, O, C, seed=4)
+    a, r = jnp.zeros((37, I)), jnp.zeros((37, O))
+    if C is None:
+        f, args = _value_and_grad(), (p, a, r)
+    else:
+        f = lambda p, a, c: jax.value_and_grad(lambda p: jnp.sum(grn(p, a, c)))(p)  # noqa: E731
+        args = (p, a, jnp.zeros((37, C)))
+    calls = _cuda_calls(f, *args)
+    assert GRN_FWD not in calls and GRN_BWD not in calls, set(calls)
+
+
+def test_vsn_selection_lowers_to_the_grn_kernels(kernels_on):
+    """jaxfox.vsn at the main job's shape (m = 48, d = 4, Hd = O = 32; 2048 rows): the selection GRN (input
+    m d = 192, output m = 48) runs the grn kernels with the softmax fused, the per-variable GRNs the vsn ones."""
+    from jaxfox import vsn, vsn_init
+
+    m, d, H, O, R = 48, 4, 32, 32, 2048
+    p = vsn_init(jax.random.key(5), m, d, H, O)
+    P = _flat_size(m * d, H, m)
+
+    def step(p, xs):
+        def loss(p, xs):
+            out, w = vsn(p, xs)
+            return jnp.sum(out * out) + jnp.sum(w * jnp.arange(m, dtype=jnp.float32))
+
+        return vsn(p, xs), jax.grad(loss, argnums=(0, 1))(p, xs)
+
+    calls = _cuda_calls(step, p, jnp.zeros((32, 64, m, d)))
+    assert {GRN_FWD, GRN_BWD, VSN_FWD, VSN_BWD} <= set(calls), set(calls)
+    assert len(calls[GRN_BWD]) == 1
+    for rest in calls[GRN_FWD]:
+        assert f"(tensor<{P}xf32>, tensor<{R}x{m * d}xf32>) -> tensor<{R}x{m}xf32>" in rest
+    for rest in calls[GRN_FWD] + calls[GRN_BWD]:
+        assert "softmax = 1 : i64" in rest and f"output_size = {m} : i64" in rest
+    # a selection context routes the selection GRN to the reference; the per-variable kernels stay
+    pc = vsn_init(jax.random.key(5), m, d, H, O, context_size=5)
+    calls = _cuda_calls(lambda p, x, c: jax.value_and_grad(lambda p: jnp.sum(vsn(p, x, c)[0]))(p), pc,
+                        jnp.zeros((32, 64, m, d)), jnp.zeros((32, 64, 5)))
+    assert GRN_FWD not in calls and GRN_BWD not in calls and VSN_BWD in calls, set(calls)
+    with jaxfox.use_reference():
+        assert _cuda_calls(step, p, jnp.zeros((32, 64, m, d))) == {}

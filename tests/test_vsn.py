@@ -263,19 +263,32 @@ def kernels_on(monkeypatch):
 
 
 FWD, BWD = "jaxfox_vsn_grn_fwd", "jaxfox_vsn_grn_bwd"
+SEL_FWD, SEL_BWD = "jaxfox_grn_fwd", "jaxfox_grn_bwd"   # the selection GRN (ffi/grn.cu, softmax fused)
 
 
-def test_kernel_path_lowers_for_cuda(kernels_on):
+@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "grn_opted_in"])
+def test_kernel_path_lowers_for_cuda(kernels_on, monkeypatch, opt_in):
+    """The per-variable GRNs run ffi/vsn.cu's kernels; the selection GRN runs ffi/grn.cu's only when opted in
+    (JAXFOX_OPT_IN_KERNELS=grn), else XLA code."""
     from jaxfox.reduce import reduce_chunks
     from jaxfox.vsn import _bwd_tiling
+
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn" if opt_in else "")
+    sel = {SEL_FWD, SEL_BWD} if opt_in else set()
 
     m, d, H, O, R = 48, 4, 32, 32, 2048
     p = vsn_init(jax.random.key(0), m, d, H, O)
     P = d * H + H + H * H + H + 2 * (H * O + O) + d * O + O + 2 * O   # the flat row of one variable
     xs = jnp.zeros((32, 64, m, d))
     calls = _cuda_calls(_grad_fn(), p, xs)
-    assert set(calls) == {FWD, BWD} and len(calls[FWD]) == 1 and len(calls[BWD]) == 1
+    assert set(calls) == {FWD, BWD} | sel and all(len(c) == 1 for c in calls.values())
     fwd, bwd = calls[FWD][0], calls[BWD][0]
+    if opt_in:  # the selection GRN: input m d, hidden H, output m, softmax fused; its backward takes d v [R, m]
+        Ps = m * d * H + H + H * H + H + 2 * (H * m + m) + m * d * m + m + 2 * m
+        assert (f"(tensor<{Ps}xf32>, tensor<{R}x{m * d}xf32>) -> tensor<{R}x{m}xf32>" in calls[SEL_FWD][0]
+                and "softmax = 1 : i64" in calls[SEL_FWD][0])
+        assert (f"(tensor<{Ps}xf32>, tensor<{R}x{m * d}xf32>, tensor<{R}x{m}xf32>) -> (tensor<{Ps}xf32>, "
+                f"tensor<{R}x{m * d}xf32>" in calls[SEL_BWD][0] and "softmax = 1 : i64" in calls[SEL_BWD][0])
     assert f"(tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>) -> tensor<{R}x{m}x{O}xf32>" in fwd
     assert f"hidden_size = {H} : i64" in fwd and f"output_size = {O} : i64" in fwd and "eps = 9.99999974E-6" in fwd
     per, blocks = _bwd_tiling(R, m)
@@ -287,10 +300,10 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
     assert (f"(tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>, tensor<{R}x{m}xf32>, tensor<{R}x{O}xf32>) -> ") in bwd
     assert (f"-> (tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>, tensor<{R}x{m}xf32>, tensor<{blocks}x{m * P}xf32>, "
             f"{ws})") in bwd
-    # eps reaches both kernels; a context (selection GRN only) and bfloat16 xs keep the kernel path, whose
-    # operands are float32
+    # eps reaches every kernel; a context (selection GRN only: it then runs the XLA reference) and bfloat16 xs
+    # keep the per-variable kernel path, whose operands are float32
     calls = _cuda_calls(_grad_fn(eps=1e-3), p, xs.astype(jnp.bfloat16))
-    assert set(calls) == {FWD, BWD} and all("eps = 1.000000e-03" in c for c in calls[FWD] + calls[BWD])
+    assert set(calls) == {FWD, BWD} | sel and all("eps = 1.000000e-03" in c for v in calls.values() for c in v)
     assert f"tensor<{R}x{m}x{d}xf32>" in calls[FWD][0]
     pc = vsn_init(jax.random.key(0), m, d, H, O, context_size=5)
     assert set(_cuda_calls(jax.value_and_grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0])), pc, xs,
@@ -302,18 +315,24 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
         assert _cuda_calls(_grad_fn(), p, xs) == {}
 
 
-def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on):
+@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "grn_opted_in"])
+def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on, monkeypatch, opt_in):
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn" if opt_in else "")
+    sel = {SEL_FWD, SEL_BWD} if opt_in else set()
     m, d, H, O, V = 3, 5, 17, 9, 4
     ps = jax.vmap(lambda k: vsn_init(k, m, d, H, O))(jax.random.split(jax.random.key(1), V))
     P = d * H + H + H * H + H + 2 * (H * O + O) + d * O + O + 2 * O
     xs = jnp.zeros((V, 6, 37, m, d))
     calls = _cuda_calls(jax.vmap(_grad_fn()), ps, xs)            # params and xs batched
-    assert set(calls) == {FWD, BWD} and len(calls[FWD]) == 1
+    assert set(calls) == {FWD, BWD} | sel and len(calls[FWD]) == 1
+    Ps = m * d * H + H + H * H + H + 2 * (H * m + m) + m * d * m + m + 2 * m   # the selection GRN's flat params
+    for rest in calls.get(SEL_FWD, []) + calls.get(SEL_BWD, []):
+        assert f"tensor<{V}x{Ps}xf32>" in rest and f"tensor<{V}x{6 * 37}x{m * d}xf32>" in rest
     for rest in calls[FWD] + calls[BWD]:                         # broadcast_all: one call over the V instances
         assert f"tensor<{V}x{m}x{P}xf32>" in rest and f"tensor<{V}x{6 * 37}x{m}x{d}xf32>" in rest
     p = jax.tree.map(lambda a: a[0], ps)
     calls = _cuda_calls(jax.vmap(_grad_fn(), in_axes=(None, 0)), p, xs)  # xs only: weights broadcast
-    assert set(calls) == {FWD, BWD} and f"tensor<{V}x{m}x{P}xf32>" in calls[FWD][0]
+    assert set(calls) == {FWD, BWD} | sel and f"tensor<{V}x{m}x{P}xf32>" in calls[FWD][0]
 
 
 @pytest.mark.parametrize("m,d,H,O,lead", [(3, 4, 33, 32, (5,)), (3, 40, 32, 32, (5,)), (3, 4, 32, 33, (5,)),
