@@ -207,29 +207,37 @@ def _grn_matmul_flops(R, I, H, O):
 def grn_case(size: str) -> list[Variant]:
     """jaxfox.grn forward+backward (value_and_grad of sum(y * w) w.r.t. params and a), no context.
 
-    a [R, I] float32 with I = Hd = O = 128 (16 small), so the skip is the identity; rows
-    R = B x T = 2048 and 16384 by default (64 small). FLOPs are the matmuls only: forward
-    2 R (I Hd + Hd Hd + 2 Hd O); forward+backward counted as 3x.
-    jaxfox has no CUDA kernel for the GRN (a fused one was slower than XLA on the H200 and is not in
-    the package): both paths run the XLA reference, so the ffi column shows 0 and the speed-up is ~1
-    (on a GPU the harness also warns that the jaxfox path compiled without an FFI call).
+    The issue's bench shape: a [R, I] float32 with I = Hd = O = 128 (16 small), so the skip is the identity;
+    rows R = B x T = 2048 and 16384 by default (64 small). There both paths run the XLA reference (the kernels of
+    ffi/grn.cu take Hd, O <= 64: a fused kernel at these widths was slower than XLA's TF32 matmuls on the
+    H200), so the ffi column shows 0 and the speed-up is ~1 (on a GPU the harness also warns that the jaxfox
+    path compiled without an FFI call). Then the perception model's two GRNs, which fit the kernels: the VSN's
+    selection GRN (I = m d = 192, Hd = 32, O = m = 48; without the VSN's softmax here) at the same row counts,
+    and the head GRN (I = 2 H = 64, Hd = O = 32) on B = 32 rows. The kernels are opt-in (slower than XLA so
+    far): the jaxfox path of these rows opts in to ``grn`` while it is traced. FLOPs are the matmuls only: forward
+    2 R (I Hd + Hd Hd + 2 Hd O [+ I O]); forward+backward counted as 3x.
     """
     import jaxfox
 
-    I = H = O = 16 if size == "small" else 128
+    W = 16 if size == "small" else 128
+    shapes = [(B * T, W, W, W, "I=H=O=" + str(W)) for B, T in _ROW_SHAPES[size]]
+    shapes += [(B * T, 192, 32, 48, "I=192 H=32 O=48 (VSN selection)") for B, T in _ROW_SHAPES[size]]
+    shapes.append((32, 64, 32, 32, "I=64 H=O=32 (head)"))
     out = []
-    for B, T in _ROW_SHAPES[size]:
-        R = B * T
-
-        def setup(R=R):
+    for R, I, H, O, label in shapes:
+        def setup(R=R, I=I, H=H, O=O):
             params = jaxfox.grn_init(jax.random.key(70), I, H, O)
             a, w = _normal(71, (R, I)), _normal(72, (O,))
 
-            builder = _weighted_sum_grad(jaxfox.grn, w)
+            def grn_opted_in(p, a):
+                with _opted_in("grn"):   # no effect on the reference path (use_reference() wins)
+                    return jaxfox.grn(p, a)
+
+            builder = _weighted_sum_grad(grn_opted_in, w)
             return CaseSpec(builder, None, (params, a), None, 3.0 * _grn_matmul_flops(R, I, H, O))
 
-        out.append(Variant("grn", f"fwd+bwd R={R} I=H=O={I}", setup,
-                           params={"R": R, "B": B, "T": T, "I": I, "H": H, "O": O}))
+        out.append(Variant("grn", f"fwd+bwd R={R} {label}", setup,
+                           params={"R": R, "I": I, "H": H, "O": O}))
     return out
 
 
