@@ -101,17 +101,6 @@ template <typename T> __device__ __forceinline__ T FromF(float x);
 template <> __device__ __forceinline__ float FromF<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 // tile[t * Hp + m] = float(src[t * H + m]) for t < tt, m < H (coalesced global reads).
 template <typename Tin>
 __device__ __forceinline__ void LoadTile(float* tile, const Tin* __restrict__ src, int tt, int H, int Hp) {

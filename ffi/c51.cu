@@ -23,19 +23,6 @@ namespace jaxfox {
 namespace {
 
 constexpr int kMaxWarps = 4;
-constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
 
 // Softmax pieces of one row: e_k = exp(x_k - max) (0 beyond N), returns sum_k e_k (warp-wide).
 template <int K>

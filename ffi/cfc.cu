@@ -207,7 +207,6 @@ __device__ __forceinline__ float LecunTanhGradFromOut(float y) {
   const float t = y / kLecunA;
   return kLecunA * kLecunB * (1.f - t * t);
 }
-__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float Sign(float x) { return float((x > 0.f) - (x < 0.f)); }
 
 // This CTA's slice of the hidden units, backbone units and inputs.

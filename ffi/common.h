@@ -107,6 +107,24 @@ ffi::Error PrepareSmem(const char* op, Kernel kernel, int64_t bytes) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Device helpers shared by the kernels. WarpSum / WarpMax: butterfly reductions over the 32 lanes of a warp
+// (every lane must be active; each lane gets the result).
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+__host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
+
 // Offsets (floats) of one GRN's parameters in its flat row, in the order of jaxfox/grn.py _FLAT_KEYS
 // (w2, b2, w1, b1, w4, b4, w5, b5, [ws, bs when the input width I != O], gamma, beta; each leaf row-major).
 // Shared by ffi/grn.cu (one GRN, I = its input width) and ffi/vsn.cu (one row per variable, I = d).

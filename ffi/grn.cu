@@ -51,7 +51,6 @@ constexpr int kWSlots = 6;            // 4 x 4 dW tiles a thread (jaxfox/grn.py 
 constexpr int kBiasSlots = 2;         // bias / gamma / beta columns a thread: 2 H + 5 O <= 448 <= 512
 constexpr int kMats = 5;              // dW2, dW1, dW4, dW5, dWs
 
-__host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
 __host__ __device__ inline int Odd(int n) { return n | 1; }  // staged row stride of a [K][n] weight
 
 // Shared-memory layout (offsets in floats, each a multiple of 4); jaxfox/grn.py _smem_bytes mirrors it.
@@ -103,20 +102,6 @@ struct GrnDims {
   bool skip = false, softmax = false;
   float eps = 1e-5f;
 };
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // Asynchronous 4-byte global -> shared copies (cp.async, sm_80+): a thread issues all of its copies without
 // waiting on each load (a load-then-store loop waits one memory latency per element: 80 of them a thread for

@@ -166,12 +166,6 @@ __device__ __forceinline__ void StoreRows(float* dst, int ld, const Frags<FR, FC
   }
 }
 
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // kBackward = false: z [B, N] from (w, psi, taus). kBackward: d psi [B, H], d taus [B, N] (kTaus) and the
 // block's parameter-gradient partial part[blockIdx.x] [kPpad] from (w, psi, taus, dz).
 template <int K, int H, bool kBackward, bool kTaus>

@@ -49,7 +49,6 @@ constexpr int kMaxWidth = 32;             // d, H, O <= kMaxWidth (jaxfox/vsn.py
 constexpr int kMaxMats = 5;               // parameter-gradient matrices: dW2, dW1, dW4, dW5, dWs
 constexpr int kTilesPerThread = 2;        // 4 x 4 dW tiles per thread: at most 320 tiles at widths 32
 
-__host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
 
 using ParamLayout = GrnParamLayout;  // variable j's row of the flat [m, P] matrix (common.h), I = d
 
@@ -103,8 +102,6 @@ __device__ __forceinline__ float HalfWarpSum(float v) {  // sum over the 16 lane
   for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-
-__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // Stages W [K][N] (row-major at src) into dst with row stride N + 1.
 __device__ __forceinline__ void StageMatrix(float* dst, const float* __restrict__ src, int K, int N) {
