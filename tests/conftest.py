@@ -7,6 +7,8 @@
   equations (OPS.md "CfC cell and scan", ncps ``CfCCell``), a plain loop over time. It shares no
   code with ``jaxfox.cfc``.
 * ``rel_err``, ``random_cfc_params``, ``flat_grad_fd``: small helpers used by several test files.
+* ``assert_leaves_close``, ``cuda_custom_calls``: kernel-vs-reference comparison of named leaves; the jaxfox FFI
+  calls of a program's CUDA lowering.
 * ``module_opt_in``: a module's opt-in kernels (``JAXFOX_OPT_IN_KERNELS``) for that module's tests only.
 """
 
@@ -175,6 +177,36 @@ def central_diff_grad(f, x, eps=1e-6):
 
 # ----------------------------------------------------------------------------------------------
 # GPU tests: run a script in a child process under given XLA_FLAGS (command buffers on/off).
+def assert_leaves_close(got, want, tol, tols=None):
+    """``got`` and ``want`` are {name: array} with the same names; every ``got[name]`` has ``want[name]``'s shape,
+    is finite and within :func:`rel_err` ``tols.get(name, tol)`` of it. Returns {name: rel_err}."""
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    errs = {}
+    for k in want:
+        assert np.shape(got[k]) == np.shape(want[k]), (k, np.shape(got[k]), np.shape(want[k]))
+        assert np.isfinite(got[k]).all(), f"{k}: not finite"
+        errs[k] = rel_err(got[k], want[k])
+    limits = {k: (tols or {}).get(k, tol) for k in want}
+    bad = {k: e for k, e in errs.items() if not e <= limits[k]}
+    assert not bad, f"errors above tolerance: {bad} (all: {errs})"
+    return errs
+
+
+def cuda_custom_calls(f, *args):
+    """{target: [the text after '@target(' on each call line]} of the jaxfox FFI calls in jit(f)'s CUDA lowering
+    (traced and lowered on any machine; with ``jaxfox._ffi.kernels_available`` patched to True it shows the
+    kernel path)."""
+    import re
+
+    import jax
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {}
+    for target, rest in re.findall(r"custom_call @(jaxfox_\w+)\((.*)", text):
+        calls.setdefault(target, []).append(rest)
+    return calls
+
+
 def module_opt_in(names):
     """A module-scoped autouse fixture that sets ``JAXFOX_OPT_IN_KERNELS=names`` for the tests of the module that
     binds it (``_opt_in = module_opt_in("all")``) and restores the previous value after them, so that one GPU

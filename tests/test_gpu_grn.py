@@ -27,7 +27,7 @@ import pytest
 
 import jaxfox
 from jaxfox import grn_init, vsn, vsn_init
-from conftest import assert_command_buffers_identical, module_opt_in, rel_err
+from conftest import assert_command_buffers_identical, assert_leaves_close, module_opt_in, rel_err
 
 pytestmark = pytest.mark.gpu
 _opt_in = module_opt_in("grn")  # the GRN kernels are opt-in (slower than XLA so far, jaxfox._ffi.OPT_IN)
@@ -186,15 +186,7 @@ def _compare(got, want, named=_named_grn, tol=TOL, tols=None):
     ``tols[name]``) of the reference run ``want``; the comparison is not vacuous (non-zero reference output and
     parameter gradients)."""
     g, w = named(got), named(want)
-    assert g.keys() == w.keys()
-    errs = {}
-    for k in w:
-        assert np.shape(g[k]) == np.shape(w[k]), (k, np.shape(g[k]), np.shape(w[k]))
-        assert np.isfinite(g[k]).all(), f"{k}: not finite"
-        errs[k] = rel_err(g[k], w[k])
-    limits = {k: (tols or {}).get(k, tol) for k in w}
-    bad = {k: e for k, e in errs.items() if not e <= limits[k]}
-    assert not bad, f"errors above tolerance: {bad} (all: {errs})"
+    errs = assert_leaves_close(g, w, tol, tols)
     first = next(iter(w))
     assert np.abs(w[first]).max() > 0
     assert any(np.abs(w[k]).max() > 0 for k in w if k.startswith("d params.") or k.startswith("d variables."))

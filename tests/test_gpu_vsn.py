@@ -25,7 +25,7 @@ import jaxfox
 from jaxfox import vsn, vsn_init
 from jaxfox.reduce import reduce_chunks
 from jaxfox.vsn import KERNEL_MAX_WIDTH, _bwd_tiling, _grn_combined
-from conftest import assert_command_buffers_identical, rel_err, run_child_npz
+from conftest import assert_command_buffers_identical, assert_leaves_close, rel_err, run_child_npz
 
 pytestmark = pytest.mark.gpu
 
@@ -120,15 +120,7 @@ def _compare(got, want, tol=TOL, tols=None):
     """Every output and gradient leaf of the kernel run ``got`` is finite and within rel_err ``tol`` (or
     ``tols[name]``) of the reference run ``want``; the comparison is not vacuous (non-zero reference)."""
     g, w = _named(got), _named(want)
-    assert g.keys() == w.keys()
-    errs = {}
-    for k in w:
-        assert np.shape(g[k]) == np.shape(w[k]), (k, np.shape(g[k]), np.shape(w[k]))
-        assert np.isfinite(g[k]).all(), f"{k}: not finite"
-        errs[k] = rel_err(g[k], w[k])
-    limits = {k: (tols or {}).get(k, tol) for k in w}
-    bad = {k: e for k, e in errs.items() if not e <= limits[k]}
-    assert not bad, f"errors above tolerance: {bad} (all: {errs})"
+    errs = assert_leaves_close(g, w, tol, tols)
     assert np.abs(w["out"]).max() > 0
     assert any(np.abs(w[k]).max() > 0 for k in w if k.startswith("d variables."))
     return errs

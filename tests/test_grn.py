@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxfox
-from conftest import assert_raises_naming as _bad, central_diff_grad, rel_err
+from conftest import assert_raises_naming as _bad, central_diff_grad, cuda_custom_calls, rel_err
 from jaxfox import grn, grn_init
 
 grn_mod = importlib.import_module("jaxfox.grn")  # the module (jaxfox.grn is the function)
@@ -406,15 +405,6 @@ def kernels_on(monkeypatch):
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn")
 
 
-def _cuda_calls(f, *args):
-    """{target: [the text after '@target(' on each call line]} of jit(f)'s CUDA lowering."""
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = {}
-    for target, rest in re.findall(r"custom_call @(jaxfox_\w+)\((.*)", text):
-        calls.setdefault(target, []).append(rest)
-    return calls
-
-
 def _value_and_grad(eps=1e-5):
     """(p, a, r) -> (grn(p, a), grads of sum(grn(p, a) * r) w.r.t. (p, a))."""
     def loss(p, a, r):
@@ -452,7 +442,7 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
     p = random_grn_params(I, H, O, seed=1)
     P = _flat_size(I, H, O)
     a, r = jnp.zeros((R, I)), jnp.zeros((R, O))
-    calls = _cuda_calls(_value_and_grad(), p, a, r)
+    calls = cuda_custom_calls(_value_and_grad(), p, a, r)
     assert set(calls) == {GRN_FWD, GRN_BWD} and len(calls[GRN_FWD]) >= 1 and len(calls[GRN_BWD]) == 1
     fwd, bwd = calls[GRN_FWD][0], calls[GRN_BWD][0]
     assert f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>) -> tensor<{R}x{O}xf32>" in fwd
@@ -467,17 +457,17 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
     assert f"tiles_per_block = {per} : i64" in bwd and f"chunks = {chunks} : i64" in bwd
     # eps reaches both kernels; bfloat16 a and leading dims [B, T, I] keep the kernel path, whose operands are
     # float32 [R, I]
-    calls = _cuda_calls(_value_and_grad(eps=1e-3), p, jnp.zeros((4, 16, I), jnp.bfloat16), jnp.zeros((4, 16, O)))
+    calls = cuda_custom_calls(_value_and_grad(eps=1e-3), p, jnp.zeros((4, 16, I), jnp.bfloat16), jnp.zeros((4, 16, O)))
     assert set(calls) == {GRN_FWD, GRN_BWD}
     assert all("eps = 1.000000e-03" in c for c in calls[GRN_FWD] + calls[GRN_BWD])
     assert f"tensor<{R}x{I}xf32>" in calls[GRN_FWD][0] and f"tensor<{R}x{I}xf32>" in calls[GRN_BWD][0]
     # the identity skip (I == O) drops skip_w / skip_b from the flat vector
     q = random_grn_params(32, 17, 32, seed=2)
-    calls = _cuda_calls(_value_and_grad(), q, jnp.zeros((37, 32)), jnp.zeros((37, 32)))
+    calls = cuda_custom_calls(_value_and_grad(), q, jnp.zeros((37, 32)), jnp.zeros((37, 32)))
     assert set(calls) == {GRN_FWD, GRN_BWD}
     assert f"(tensor<{_flat_size(32, 17, 32)}xf32>, tensor<37x32xf32>) -> tensor<37x32xf32>" in calls[GRN_FWD][0]
     with jaxfox.use_reference():
-        assert _cuda_calls(_value_and_grad(), p, a, r) == {}
+        assert cuda_custom_calls(_value_and_grad(), p, a, r) == {}
 
 
 @pytest.mark.parametrize("opt_in", ["", "attention_pool", "grn,adamw", " grn ", "all"])
@@ -485,7 +475,7 @@ def test_kernels_are_opt_in(kernels_on, monkeypatch, opt_in):
     """Without ``grn`` (or ``all``) in JAXFOX_OPT_IN_KERNELS a GRN lowers to XLA code on CUDA too."""
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", opt_in)
     p = random_grn_params(64, 32, 32, seed=6)
-    calls = _cuda_calls(_value_and_grad(), p, jnp.zeros((64, 64)), jnp.zeros((64, 32)))
+    calls = cuda_custom_calls(_value_and_grad(), p, jnp.zeros((64, 64)), jnp.zeros((64, 32)))
     want = {GRN_FWD, GRN_BWD} if opt_in.strip() in ("grn,adamw", "grn", "all") else set()
     assert set(calls) == want
 
@@ -494,7 +484,7 @@ def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on):
     V, R, I, H, O = 3, 37, 5, 3, 7
     ps = jax.vmap(lambda k: grn_init(k, I, H, O))(jax.random.split(jax.random.key(3), V))
     P = _flat_size(I, H, O)
-    calls = _cuda_calls(jax.vmap(_value_and_grad()), ps, jnp.zeros((V, R, I)), jnp.zeros((V, R, O)))
+    calls = cuda_custom_calls(jax.vmap(_value_and_grad()), ps, jnp.zeros((V, R, I)), jnp.zeros((V, R, O)))
     assert set(calls) == {GRN_FWD, GRN_BWD}
     for rest in calls[GRN_FWD] + calls[GRN_BWD]:   # broadcast_all: one call over the V instances
         assert f"tensor<{V}x{P}xf32>" in rest and f"tensor<{V}x{R}x{I}xf32>" in rest, rest[-300:]
@@ -510,7 +500,7 @@ def test_routed_shapes_lower_without_the_kernels(kernels_on, I, H, O, C):
     else:
         f = lambda p, a, c: jax.value_and_grad(lambda p: jnp.sum(grn(p, a, c)))(p)  # noqa: E731
         args = (p, a, jnp.zeros((37, C)))
-    calls = _cuda_calls(f, *args)
+    calls = cuda_custom_calls(f, *args)
     assert GRN_FWD not in calls and GRN_BWD not in calls, set(calls)
 
 
@@ -530,7 +520,7 @@ def test_vsn_selection_lowers_to_the_grn_kernels(kernels_on):
 
         return vsn(p, xs), jax.grad(loss, argnums=(0, 1))(p, xs)
 
-    calls = _cuda_calls(step, p, jnp.zeros((32, 64, m, d)))
+    calls = cuda_custom_calls(step, p, jnp.zeros((32, 64, m, d)))
     assert {GRN_FWD, GRN_BWD, VSN_FWD, VSN_BWD} <= set(calls), set(calls)
     assert len(calls[GRN_BWD]) == 1
     for rest in calls[GRN_FWD]:
@@ -539,8 +529,8 @@ def test_vsn_selection_lowers_to_the_grn_kernels(kernels_on):
         assert "softmax = 1 : i64" in rest and f"output_size = {m} : i64" in rest
     # a selection context routes the selection GRN to the reference; the per-variable kernels stay
     pc = vsn_init(jax.random.key(5), m, d, H, O, context_size=5)
-    calls = _cuda_calls(lambda p, x, c: jax.value_and_grad(lambda p: jnp.sum(vsn(p, x, c)[0]))(p), pc,
-                        jnp.zeros((32, 64, m, d)), jnp.zeros((32, 64, 5)))
+    calls = cuda_custom_calls(lambda p, x, c: jax.value_and_grad(lambda p: jnp.sum(vsn(p, x, c)[0]))(p), pc,
+                              jnp.zeros((32, 64, m, d)), jnp.zeros((32, 64, 5)))
     assert GRN_FWD not in calls and GRN_BWD not in calls and VSN_BWD in calls, set(calls)
     with jaxfox.use_reference():
-        assert _cuda_calls(step, p, jnp.zeros((32, 64, m, d))) == {}
+        assert cuda_custom_calls(step, p, jnp.zeros((32, 64, m, d))) == {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxfox
-from conftest import assert_raises_naming as _bad, rel_err
+from conftest import assert_raises_naming as _bad, cuda_custom_calls, rel_err
 from jaxfox import vsn, vsn_init
 from test_grn import assert_f32_close, assert_tree_close, fd_grads, np_grn
 
@@ -237,15 +236,6 @@ def test_zero_rows():
 # ----------------------------------------------------------------------------------------------
 # The CUDA kernel path (ffi/vsn.cu), traced and lowered for CUDA on this CPU machine with the kernels
 # forced on: which FFI calls the program makes, with which operand shapes and attributes.
-def _cuda_calls(f, *args):
-    """{target: [the text after '@target(' on each call line]} of jit(f)'s CUDA lowering."""
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = {}
-    for target, rest in re.findall(r"custom_call @(jaxfox_\w+)\((.*)", text):
-        calls.setdefault(target, []).append(rest)
-    return calls
-
-
 def _grad_fn(eps=1e-5):
     def loss(p, x, c=None):
         out, w = vsn(p, x, c, eps=eps)
@@ -280,7 +270,7 @@ def test_kernel_path_lowers_for_cuda(kernels_on, monkeypatch, opt_in):
     p = vsn_init(jax.random.key(0), m, d, H, O)
     P = d * H + H + H * H + H + 2 * (H * O + O) + d * O + O + 2 * O   # the flat row of one variable
     xs = jnp.zeros((32, 64, m, d))
-    calls = _cuda_calls(_grad_fn(), p, xs)
+    calls = cuda_custom_calls(_grad_fn(), p, xs)
     assert set(calls) == {FWD, BWD} | sel and all(len(c) == 1 for c in calls.values())
     fwd, bwd = calls[FWD][0], calls[BWD][0]
     if opt_in:  # the selection GRN: input m d, hidden H, output m, softmax fused; its backward takes d v [R, m]
@@ -302,17 +292,17 @@ def test_kernel_path_lowers_for_cuda(kernels_on, monkeypatch, opt_in):
             f"{ws})") in bwd
     # eps reaches every kernel; a context (selection GRN only: it then runs the XLA reference) and bfloat16 xs
     # keep the per-variable kernel path, whose operands are float32
-    calls = _cuda_calls(_grad_fn(eps=1e-3), p, xs.astype(jnp.bfloat16))
+    calls = cuda_custom_calls(_grad_fn(eps=1e-3), p, xs.astype(jnp.bfloat16))
     assert set(calls) == {FWD, BWD} | sel and all("eps = 1.000000e-03" in c for v in calls.values() for c in v)
     assert f"tensor<{R}x{m}x{d}xf32>" in calls[FWD][0]
     pc = vsn_init(jax.random.key(0), m, d, H, O, context_size=5)
-    assert set(_cuda_calls(jax.value_and_grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0])), pc, xs,
-                           jnp.zeros((32, 64, 5)))) == {FWD, BWD}
+    assert set(cuda_custom_calls(jax.value_and_grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0])), pc, xs,
+                                 jnp.zeros((32, 64, 5)))) == {FWD, BWD}
     # the gradient alone needs no forward kernel: the backward recomputes y and returns d v itself
-    assert set(_cuda_calls(jax.grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0])), pc, xs, jnp.zeros((32, 64, 5)))) == {
-        BWD}
+    grad_only = jax.grad(lambda p, x, c: jnp.sum(vsn(p, x, c)[0]))
+    assert set(cuda_custom_calls(grad_only, pc, xs, jnp.zeros((32, 64, 5)))) == {BWD}
     with jaxfox.use_reference():
-        assert _cuda_calls(_grad_fn(), p, xs) == {}
+        assert cuda_custom_calls(_grad_fn(), p, xs) == {}
 
 
 @pytest.mark.parametrize("opt_in", [False, True], ids=["default", "grn_opted_in"])
@@ -323,7 +313,7 @@ def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on, monkeypatch, opt_in)
     ps = jax.vmap(lambda k: vsn_init(k, m, d, H, O))(jax.random.split(jax.random.key(1), V))
     P = d * H + H + H * H + H + 2 * (H * O + O) + d * O + O + 2 * O
     xs = jnp.zeros((V, 6, 37, m, d))
-    calls = _cuda_calls(jax.vmap(_grad_fn()), ps, xs)            # params and xs batched
+    calls = cuda_custom_calls(jax.vmap(_grad_fn()), ps, xs)            # params and xs batched
     assert set(calls) == {FWD, BWD} | sel and len(calls[FWD]) == 1
     Ps = m * d * H + H + H * H + H + 2 * (H * m + m) + m * d * m + m + 2 * m   # the selection GRN's flat params
     for rest in calls.get(SEL_FWD, []) + calls.get(SEL_BWD, []):
@@ -331,7 +321,7 @@ def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on, monkeypatch, opt_in)
     for rest in calls[FWD] + calls[BWD]:                         # broadcast_all: one call over the V instances
         assert f"tensor<{V}x{m}x{P}xf32>" in rest and f"tensor<{V}x{6 * 37}x{m}x{d}xf32>" in rest
     p = jax.tree.map(lambda a: a[0], ps)
-    calls = _cuda_calls(jax.vmap(_grad_fn(), in_axes=(None, 0)), p, xs)  # xs only: weights broadcast
+    calls = cuda_custom_calls(jax.vmap(_grad_fn(), in_axes=(None, 0)), p, xs)  # xs only: weights broadcast
     assert set(calls) == {FWD, BWD} | sel and f"tensor<{V}x{m}x{P}xf32>" in calls[FWD][0]
 
 
@@ -340,7 +330,7 @@ def test_kernel_path_lowers_for_cuda_under_vmap(kernels_on, monkeypatch, opt_in)
 def test_wide_or_empty_shapes_lower_without_the_kernels(kernels_on, m, d, H, O, lead):
     """Hd, d or O > 32 (jaxfox.vsn.KERNEL_MAX_WIDTH), or no rows: the reference on CUDA too."""
     p = vsn_init(jax.random.key(2), m, d, H, O)
-    calls = _cuda_calls(_grad_fn(), p, jnp.zeros(lead + (m, d)))
+    calls = cuda_custom_calls(_grad_fn(), p, jnp.zeros(lead + (m, d)))
     assert FWD not in calls and BWD not in calls
 
 
