@@ -44,8 +44,8 @@ __all__ = ["FULL_DEFAULTS", "Perception", "make_model", "make_optimizer", "loss_
 FULL_DEFAULTS = {"embed_dim": 4, "vsn_hidden": 32, "vsn_out": 32, "hidden": 32, "backbone_units": 64,
                  "num_heads": 4, "lr": 1e-3, "weight_decay": 1.0}
 """Defaults of :func:`make_model` and of the main job (``examples/train_perception.py``, whose default model
-this is): sized so that its 15 epochs take a few minutes on a 2-core CPU (about 3 min, 10 s an epoch with
-:func:`train_epoch`, measured 2026-12-02; 8 s on 2026-12-01); at seed 0 they score validation AUC 0.6647 and test
+this is): sized so that its 15 epochs take a few minutes on a 2-core CPU (1.5 to 3 min, 4 to 10 s an epoch
+with :func:`train_epoch`, measured 2026-12-01 .. 2026-12-03); at seed 0 they score validation AUC 0.6647 and test
 AUC 0.6770 there."""
 
 
