@@ -151,6 +151,62 @@ __host__ __device__ inline GrnParamLayout MakeGrnParamLayout(int I, int H, int O
   return L;
 }
 
+// Parameter-gradient register tiles of the GRN backward kernels (ffi/grn.cu, ffi/vsn.cu). One 4 x 4 tile of a
+// parameter-gradient matrix dW [K][N] = sum_r P^T[k][r] Q^T[n][r] (P^T, Q^T: k-major arrays in shared memory,
+// row stride kTRp): the thread's rows k = kt + KT a and columns n = nt + NT b (a, b < 4; interleaved so that
+// neighbouring threads read neighbouring rows of Q^T without bank conflicts).
+struct WTile {
+  int p, q;        // smem offsets of P^T and Q^T
+  int kt, KT, nt, NT, K, N;
+  int out;         // offset of dW in the parameter row
+  bool active;
+};
+
+// Thread tid's kSlots tiles (work items tid + s kThreads, numbered over the nmat matrices q in order: P^T at
+// mp[q], Q^T at mq[q], dW [mk[q]][mn[q]] at mo[q] in the parameter row), fixed for the CTA; accumulators zeroed.
+template <int kSlots, int kThreads, int kMats>
+__device__ __forceinline__ void AssignWTiles(int tid, int nmat, const int (&mp)[kMats], const int (&mq)[kMats],
+                                             const int (&mk)[kMats], const int (&mn)[kMats],
+                                             const int (&mo)[kMats], WTile (&wt)[kSlots],
+                                             float (&wacc)[kSlots][4][4]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    wt[s].active = false;
+    int idx = tid + s * kThreads;
+    for (int q = 0; q < nmat; ++q) {
+      const int KT = Round4(mk[q]) / 4, NT = Round4(mn[q]) / 4;
+      if (!wt[s].active && idx < KT * NT) {
+        wt[s] = WTile{mp[q], mq[q], idx / NT, KT, idx % NT, NT, mk[q], mn[q], mo[q], true};
+      }
+      if (!wt[s].active) idx -= KT * NT;
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) wacc[s][a][b] = 0.f;
+  }
+}
+
+// Writes the thread's tiles into the CTA's partial row `out` (every element of a dW by exactly one thread).
+template <int kSlots>
+__device__ __forceinline__ void WriteWTiles(float* out, const WTile (&wt)[kSlots],
+                                            const float (&wacc)[kSlots][4][4]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    if (!wt[s].active) continue;
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const int k = wt[s].kt + wt[s].KT * a;
+      if (k >= wt[s].K) continue;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int n = wt[s].nt + wt[s].NT * b;
+        if (n < wt[s].N) out[wt[s].out + k * wt[s].N + n] = wacc[s][a][b];
+      }
+    }
+  }
+}
+
 // Deterministic sum over axis 1 of x [V, B, P] -> out [V, P] (see reduce.cu for the order).
 // `chunks` splits B into that many contiguous row ranges whose partials go to `workspace`
 // [V, chunks, P] and are then added in chunk order; chunks == 1 needs no workspace.

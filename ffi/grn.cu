@@ -331,16 +331,6 @@ grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const _
   }
 }
 
-// One 4 x 4 tile of a parameter-gradient matrix dW [K][N] = sum_r P^T[k][r] Q^T[n][r]: the thread's rows
-// k = kt + KT a and columns n = nt + NT b (a, b < 4; interleaved so that neighbouring threads read
-// neighbouring rows of Q^T without bank conflicts).
-struct WTile {
-  int p, q;        // smem offsets of P^T and Q^T
-  int kt, KT, nt, NT, K, N;
-  int out;         // offset of dW in the parameter row
-  bool active;
-};
-
 // One column sum of the parameter gradient: a bias (column of a k-major Q^T array), or dgamma / dbeta
 // (the warps' partials in the scratch array).
 struct BiasSlot {
@@ -372,22 +362,7 @@ grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const f
   const int mb[kMats] = {L.b2, L.b1, L.b4, L.b5, L.bs};
   WTile wt[kWSlots];
   float wacc[kWSlots][4][4];
-#pragma unroll
-  for (int s = 0; s < kWSlots; ++s) {
-    wt[s].active = false;
-    int idx = tid + s * kThreads;
-    for (int q = 0; q < nmat; ++q) {
-      const int KT = Round4(mk[q]) / 4, NT = Round4(mn[q]) / 4;
-      if (!wt[s].active && idx < KT * NT) {
-        wt[s] = WTile{mp[q], mq[q], idx / NT, KT, idx % NT, NT, mk[q], mn[q], mo[q], true};
-      }
-      if (!wt[s].active) idx -= KT * NT;
-    }
-#pragma unroll
-    for (int x = 0; x < 4; ++x)
-#pragma unroll
-      for (int y = 0; y < 4; ++y) wacc[s][x][y] = 0.f;
-  }
+  AssignWTiles<kWSlots, kThreads>(tid, nmat, mp, mq, mk, mn, mo, wt, wacc);
   BiasSlot bs[kBiasSlots];
   float bacc[kBiasSlots];
 #pragma unroll
@@ -568,20 +543,7 @@ grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const f
 
   // One partial row [P] per CTA: every parameter element written by exactly one thread.
   float* out = partial + (v * gridDim.x + blockIdx.x) * L.P;
-#pragma unroll
-  for (int s = 0; s < kWSlots; ++s) {
-    if (!wt[s].active) continue;
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int k = wt[s].kt + wt[s].KT * x;
-      if (k >= wt[s].K) continue;
-#pragma unroll
-      for (int y2 = 0; y2 < 4; ++y2) {
-        const int n = wt[s].nt + wt[s].NT * y2;
-        if (n < wt[s].N) out[wt[s].out + k * wt[s].N + n] = wacc[s][x][y2];
-      }
-    }
-  }
+  WriteWTiles(out, wt, wacc);
 #pragma unroll
   for (int s = 0; s < kBiasSlots; ++s) {
     if (bs[s].kind >= 0) out[bs[s].out] = bacc[s];

@@ -289,16 +289,6 @@ vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   }
 }
 
-// One 4 x 4 tile of a parameter-gradient matrix dW [K][N] = sum_r P^T[k][r] Q^T[n][r]: the thread's
-// rows k = kt + KT a and columns n = nt + NT b (a, b < 4; interleaved so that neighbouring threads read
-// neighbouring rows of Q^T without bank conflicts).
-struct WTile {
-  int p, q;        // smem offsets of P^T and Q^T
-  int kt, KT, nt, NT, K, N;
-  int out;         // offset of dW in the variable's parameter row
-  bool active;
-};
-
 __global__ void __launch_bounds__(kThreads, 2)
 vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, const float* __restrict__ vsel,
                    const float* __restrict__ dout, const __grid_constant__ StackDims D,
@@ -336,22 +326,7 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   const int mb[kMaxMats] = {L.b2, L.b1, L.b4, L.b5, L.bs};
   WTile wt[kTilesPerThread];
   float wacc[kTilesPerThread][4][4];
-#pragma unroll
-  for (int s = 0; s < kTilesPerThread; ++s) {
-    wt[s].active = false;
-    int idx = tid + s * kThreads;
-    for (int q = 0; q < nmat; ++q) {
-      const int KT = Round4(mk[q]) / 4, NT = Round4(mn[q]) / 4;
-      if (!wt[s].active && idx < KT * NT) {
-        wt[s] = WTile{mp[q], mq[q], idx / NT, KT, idx % NT, NT, mk[q], mn[q], mo[q], true};
-      }
-      if (!wt[s].active) idx -= KT * NT;
-    }
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) wacc[s][a][b] = 0.f;
-  }
+  AssignWTiles<kTilesPerThread, kThreads>(tid, nmat, mp, mq, mk, mn, mo, wt, wacc);
   int bias_q = -1, bias_out = 0;
   {
     int idx = tid;
@@ -520,20 +495,7 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
 
   // One partial row [m * P] per CTA: every parameter element written by exactly one thread.
   float* out = partial + ((v * gridDim.x + blockIdx.x) * D.m + j) * D.P;
-#pragma unroll
-  for (int s = 0; s < kTilesPerThread; ++s) {
-    if (!wt[s].active) continue;
-#pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      const int k = wt[s].kt + wt[s].KT * a;
-      if (k >= wt[s].K) continue;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int n = wt[s].nt + wt[s].NT * b;
-        if (n < wt[s].N) out[wt[s].out + k * wt[s].N + n] = wacc[s][a][b];
-      }
-    }
-  }
+  WriteWTiles(out, wt, wacc);
   if (bias_q >= 0) out[bias_out] = bias_acc;
   if (tid < 2 * O) out[(tid < O ? L.gamma : L.beta - O) + tid] = norm_acc;
 }
