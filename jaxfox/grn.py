@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import check_array as _check_array, positive_int as _positive_int
-from jaxfox.reduce import reduce_chunks
+from jaxfox.reduce import backward_tiling, reduce_chunks
 
 __all__ = ["grn_init", "grn", "layer_norm"]
 
@@ -290,11 +290,8 @@ def _attrs(cfg):
 
 
 def _bwd_tiling(R):
-    """(tiles_per_block, blocks) of the backward grid over ceil(R / 32) row tiles: a function of the shape only,
-    so the summation order of the parameter gradient (and its bits) is fixed by the shape."""
-    tiles = -(-R // _ROW_TILE)
-    per = max(1, -(-tiles // _TARGET_BWD_BLOCKS))
-    return per, -(-tiles // per)
+    """(tiles_per_block, blocks) of the backward grid over ceil(R / 32) row tiles (:func:`jaxfox.reduce.backward_tiling`)."""
+    return backward_tiling(R, _ROW_TILE, _TARGET_BWD_BLOCKS)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -23,6 +23,16 @@ def reduce_chunks(batch: int, size: int) -> int:
     return int(max(1, min(-(-batch // 64), 512 // col_blocks, 65535)))
 
 
+def backward_tiling(rows: int, row_tile: int, target_blocks: int, work_per_tile: int = 1) -> tuple[int, int]:
+    """(tiles_per_block, blocks) of a backward grid over ceil(rows / row_tile) row tiles, each CTA summing
+    ``tiles_per_block`` consecutive tiles into one parameter-gradient partial row: about ``target_blocks`` CTAs
+    counting ``work_per_tile`` CTAs a tile (e.g. one per VSN variable). A function of the shape only, so the
+    summation order of the parameter gradient (and its bits) is fixed by the shape."""
+    tiles = -(-rows // row_tile)
+    per = max(1, -(-tiles * work_per_tile // target_blocks))
+    return per, -(-tiles // per)
+
+
 def _reduce_kernel(x):
     batch, size = x.shape[-2:]
     chunks = reduce_chunks(batch, size)

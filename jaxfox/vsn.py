@@ -46,7 +46,7 @@ from jaxfox.grn import (
     _FLAT_KEYS, _check_context, _check_eps, _check_input, _common_dtype, _grn_apply, _grn_sizes, grn_init,
     layer_norm,
 )
-from jaxfox.reduce import reduce_chunks
+from jaxfox.reduce import backward_tiling, reduce_chunks
 
 __all__ = ["vsn_init", "vsn"]
 
@@ -154,11 +154,9 @@ def _stack_attrs(cfg):
 
 
 def _bwd_tiling(R, m):
-    """(tiles_per_block, blocks) of the backward grid over ceil(R / 64) row tiles: a function of the shape only,
-    so the summation order of the parameter gradient (and its bits) is fixed by the shape."""
-    tiles = -(-R // _ROW_TILE)
-    per = max(1, -(-tiles * m // _TARGET_BWD_BLOCKS))
-    return per, -(-tiles // per)
+    """(tiles_per_block, blocks) of the backward grid over ceil(R / 64) row tiles, m CTAs (one a variable) a tile
+    (:func:`jaxfox.reduce.backward_tiling`)."""
+    return backward_tiling(R, _ROW_TILE, _TARGET_BWD_BLOCKS, m)
 
 
 def _weighted_sum(v, y):
