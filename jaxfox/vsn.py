@@ -227,7 +227,7 @@ def _vsn_apply(params, xs, c, eps):
     :func:`_grn_combined`: the kernels where they apply, else the reference)."""
     m, d = xs.shape[-2:]
     xs = xs.astype(jnp.float32)  # once: a bfloat16 xs gets its float32 gradient rounded once
-    # the selection GRN and its softmax: ffi/grn.cu's kernels (softmax fused) where they apply
+    # the selection GRN and its softmax: ffi/grn.cu's kernels (softmax fused) when opted in and they apply
     v = _grn_apply(params["selection"], xs.reshape(xs.shape[:-2] + (m * d,)), c, eps, softmax=True)
     return _grn_combined(params["variables"], xs, v, eps), v
 

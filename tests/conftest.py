@@ -7,7 +7,7 @@
   equations (OPS.md "CfC cell and scan", ncps ``CfCCell``), a plain loop over time. It shares no
   code with ``jaxfox.cfc``.
 * ``rel_err``, ``random_cfc_params``, ``flat_grad_fd``: small helpers used by several test files.
-* ``assert_leaves_close``, ``cuda_custom_calls``: kernel-vs-reference comparison of named leaves; the jaxfox FFI
+* ``kernels_on`` (fixture), ``assert_leaves_close``, ``cuda_custom_calls``: kernel-vs-reference comparison of named leaves; the jaxfox FFI
   calls of a program's CUDA lowering.
 * ``module_opt_in``: a module's opt-in kernels (``JAXFOX_OPT_IN_KERNELS``) for that module's tests only.
 """
@@ -37,6 +37,7 @@ def _force_host_devices(n=8):
 _force_host_devices(8)
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,13 +208,20 @@ def cuda_custom_calls(f, *args):
     return calls
 
 
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """jaxfox.kernels_available() as on a GPU machine with the extension: True unless inside use_reference(), so
+    that the kernel path can be traced and lowered for CUDA (:func:`cuda_custom_calls`) on any machine."""
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: not jaxfox._ffi._reference_forced())
+
+
 def module_opt_in(names):
     """A module-scoped autouse fixture that sets ``JAXFOX_OPT_IN_KERNELS=names`` for the tests of the module that
     binds it (``_opt_in = module_opt_in("all")``) and restores the previous value after them, so that one GPU
     module's opt-in kernels do not leak into the modules that pytest runs after it in the same process.
     Child processes started by those tests (:func:`run_child_npz`) inherit the setting."""
-    import pytest
-
     @pytest.fixture(autouse=True, scope="module")
     def _opt_in():
         with pytest.MonkeyPatch.context() as mp:

@@ -9,7 +9,6 @@ max|kernel - reference| / max|reference| per array.
 from __future__ import annotations
 
 import functools
-
 import textwrap
 
 import jax

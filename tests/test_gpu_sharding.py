@@ -8,8 +8,6 @@ one GPU's up to reduction order and repeat bitwise.
 
 from __future__ import annotations
 
-
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -396,12 +396,9 @@ VSN_FWD, VSN_BWD = "jaxfox_vsn_grn_fwd", "jaxfox_vsn_grn_bwd"
 
 
 @pytest.fixture
-def kernels_on(monkeypatch):
-    import jaxfox._ffi
-
-    # as on a GPU machine with the extension: available unless inside use_reference(); the GRN kernels are
-    # opt-in (slower than XLA so far, jaxfox._ffi.OPT_IN)
-    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: not jaxfox._ffi._reference_forced())
+def kernels_on(kernels_on, monkeypatch):
+    # conftest's kernels_on, and the GRN kernels opted in (they are opt-in: slower than XLA so far,
+    # jaxfox._ffi.OPT_IN)
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn")
 
 

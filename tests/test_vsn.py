@@ -244,14 +244,6 @@ def _grad_fn(eps=1e-5):
     return jax.grad(loss, argnums=(0, 1))
 
 
-@pytest.fixture
-def kernels_on(monkeypatch):
-    import jaxfox._ffi
-
-    # as on a GPU machine with the extension: available unless inside use_reference()
-    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: not jaxfox._ffi._reference_forced())
-
-
 FWD, BWD = "jaxfox_vsn_grn_fwd", "jaxfox_vsn_grn_bwd"
 SEL_FWD, SEL_BWD = "jaxfox_grn_fwd", "jaxfox_grn_bwd"   # the selection GRN (ffi/grn.cu, softmax fused)
 
