@@ -123,6 +123,9 @@ __device__ __forceinline__ float WarpMax(float v) {
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// ReLU that keeps NaN (as XLA's max(x, 0) does): fmaxf(x, 0) would return 0 for a NaN and hide it.
+__device__ __forceinline__ float Relu(float x) { return x < 0.f ? 0.f : x; }
+
 __host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
 
 // Offsets (floats) of one GRN's parameters in its flat row, in the order of jaxfox/grn.py _FLAT_KEYS

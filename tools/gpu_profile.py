@@ -2,6 +2,7 @@
 
     python3 tools/gpu_profile.py perception [--steps 50] [--top 25]
     python3 tools/gpu_profile.py perception_v0
+    python3 tools/gpu_profile.py case:grn [--size default]     # every variant of a `python -m jaxfox.bench` case
 
 Runs the step of ``jaxfox.models.<module>.benchmark_step`` (the bench's ``perception_step`` rows) on the
 kernel path and under ``jaxfox.use_reference()``, traces ``--steps`` calls of each after a warm-up, and
@@ -181,21 +182,51 @@ def report(title, by_op, sources, steps, top):
         print(f"{t / steps:9.1f} us {100 * t / max(total, 1e-9):5.1f}%  x{c / steps:5.1f}  {key}")
 
 
+def _case_steps(name, size):
+    """(label, path -> (step_fn, state, batch)) for each variant of the bench case ``name``: the op on the case's
+    inputs as a step that carries the inputs through unchanged, traced on each path as the bench traces it."""
+    from jaxfox.bench import REGISTRY, SkipCase
+    from jaxfox.bench import cases  # noqa: F401  (fills the registry)
+
+    for v in REGISTRY[name](size):
+        try:
+            spec = v.setup()
+        except SkipCase as e:
+            print(f"{v.label}: skipped ({e})")
+            continue
+
+        def make(path, spec=spec, v=v):
+            builder = spec.reference_builder if path == "reference" and spec.reference_builder else spec.kernel_builder
+            op = builder()
+            if v.stateful:
+                return (lambda state, rest: op(state, *rest)), spec.inputs[0], spec.inputs[1:]
+            return (lambda inputs, _: (inputs, op(*inputs))), spec.inputs, ()
+
+        yield f"{name} {v.label}", make
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("module", help="jaxfox.models.<module> with a benchmark_step (perception, perception_v0)")
+    p.add_argument("module", help="jaxfox.models.<module> with a benchmark_step (perception, perception_v0), "
+                                  "or case:<name> for a bench case")
+    p.add_argument("--size", default="default", help="bench case size (case:<name> only)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--by-line", action="store_true", help="group by source file and line, not by file")
     args = p.parse_args()
-    make = importlib.import_module(f"jaxfox.models.{args.module}").benchmark_step
-    one = jaxfox.sharding.batch_mesh(jax.local_devices()[:1])
     print(f"kernels available: {jaxfox.kernels_available()}")
-    for path in ("jaxfox", "reference"):
-        with jaxfox.use_reference() if path == "reference" else contextlib.nullcontext():
-            step_fn, state, batch = make(mesh=one)
-            times, sources = profile(step_fn, state, batch, args.steps, by_line=args.by_line)
-            report(f"{args.module}, {path} path", times, sources, args.steps, args.top)
+    if args.module.startswith("case:"):
+        steps = list(_case_steps(args.module[len("case:"):], args.size))
+    else:
+        bench_step = importlib.import_module(f"jaxfox.models.{args.module}").benchmark_step
+        one = jaxfox.sharding.batch_mesh(jax.local_devices()[:1])
+        steps = [(args.module, lambda path: bench_step(mesh=one))]
+    for title, make in steps:
+        for path in ("jaxfox", "reference"):
+            with jaxfox.use_reference() if path == "reference" else contextlib.nullcontext():
+                step_fn, state, batch = make(path)
+                times, sources = profile(step_fn, state, batch, args.steps, by_line=args.by_line)
+                report(f"{title}, {path} path", times, sources, args.steps, args.top)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 On the GPU machine:
 
     ncu --clock-control none -k regex:cfc_ --section WarpStateStats --section SourceCounters -o cfc -f \
-        python3 tools/ncu_cfc.py
+        python3 tools/ncu_op.py cfc
     ncu -i cfc.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
 
 Here (no GPU needed):

@@ -1,0 +1,69 @@
+"""One forward + backward of a jaxfox op at its benchmark shape, for Nsight Compute (a diagnosis tool, not a
+test). Compiles first (no kernel launches while tracing), then runs the jitted fwd+bwd exactly once, so the
+profile holds one launch of each of the op's kernels.
+
+    ncu --clock-control none -k regex:cfc_ --section WarpStateStats --section SourceCounters \
+        -o cfc python3 tools/ncu_op.py cfc [--B 32 --T 256 --I 48 --H 128 --U 128]
+    ncu ... -k regex:iqn_head -o iqn python3 tools/ncu_op.py iqn [--B 16384 --N 32 --K 64 --H 128]
+    JAXFOX_OPT_IN_KERNELS=grn ncu ... -k regex:grn_ -o grn python3 tools/ncu_op.py grn [--R 2048 --I 192 --H 32 --O 48]
+
+(grn defaults: the VSN's selection GRN of the main job, without its softmax; the head GRN is --R 32 --I 64
+--H 32 --O 32.) Read an exported source page with tools/ncu_sass_summary.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import jaxfox
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def cfc(a):
+    params = jaxfox.cfc_init(jax.random.key(0), a.I, a.H, backbone_units=a.U)
+    c = _normal(2, (a.B, a.T, a.H))
+    return jax.value_and_grad(lambda p, x: jnp.sum(jaxfox.cfc_scan(p, x) * c)), (params, _normal(1, (a.B, a.T, a.I)))
+
+
+def iqn(a):
+    params = jaxfox.iqn_head_init(jax.random.key(0), a.H, n_cos=a.K)
+    psi = jax.nn.relu(_normal(1, (a.B, a.H)))
+    taus = jax.random.uniform(jax.random.key(2), (a.B, a.N))
+    c = _normal(3, (a.B, a.N))
+    return jax.value_and_grad(lambda p, psi: jnp.sum(jaxfox.iqn_head(p, psi, taus) * c), argnums=(0, 1)), (params, psi)
+
+
+def grn(a):
+    params = jaxfox.grn_init(jax.random.key(0), a.I, a.H, a.O)
+    c = _normal(2, (a.R, a.O))
+    return jax.value_and_grad(lambda p, x: jnp.sum(jaxfox.grn(p, x) * c), argnums=(0, 1)), (params, _normal(1, (a.R, a.I)))
+
+
+_OPS = {"cfc": (cfc, dict(B=32, T=256, I=48, H=128, U=128)),
+        "iqn": (iqn, dict(B=16384, N=32, K=64, H=128)),
+        "grn": (grn, dict(R=2048, I=192, H=32, O=48))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="op", required=True)
+    for name, (_, dims) in _OPS.items():
+        p = sub.add_parser(name)
+        for k, v in dims.items():
+            p.add_argument(f"--{k}", type=int, default=v)
+    a = ap.parse_args()
+    assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
+    fn, args = _OPS[a.op][0](a)
+    compiled = jax.jit(fn).lower(*args).compile()
+    out = jax.block_until_ready(compiled(*args))
+    print("loss", float(out[0]))
+
+
+if __name__ == "__main__":
+    main()
