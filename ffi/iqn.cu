@@ -15,7 +15,7 @@
 #include <type_traits>
 
 #include "common.h"
-#include "mma.h"
+#include "tensor_core.h"
 
 namespace jaxfox {
 namespace {

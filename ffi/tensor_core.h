@@ -18,10 +18,10 @@ __device__ __forceinline__ float Tf32(float x) {
 }
 
 // Warp tiling of an output of RB x CB fragments (16 x 16) over the 8 warps: a grid of (8 / WCW) x WCW warps,
-// each owning FR x FC fragments.
-template <int RB, int CB>
+// each owning FR x FC fragments (WCW: warps along the columns, min(CB, 4) unless given).
+template <int RB, int CB, int WCW = (CB < 4 ? CB : 4)>
 struct WarpTile {
-  static constexpr int kWcw = CB < 4 ? CB : 4;
+  static constexpr int kWcw = WCW;
   static constexpr int kWrw = kMmaWarps / kWcw;
   static constexpr int kFR = RB / kWrw;
   static constexpr int kFC = CB / kWcw;
