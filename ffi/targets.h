@@ -20,7 +20,8 @@
   X(jaxfox_vsn_grn_fwd)     \
   X(jaxfox_vsn_grn_bwd)     \
   X(jaxfox_iqn_head_fwd)    \
-  X(jaxfox_iqn_head_bwd)
+  X(jaxfox_iqn_head_bwd)    \
+  X(jaxfox_iql_value_loss)
 
 #define JAXFOX_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JAXFOX_TARGETS(JAXFOX_DECLARE)

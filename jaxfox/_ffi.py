@@ -92,6 +92,16 @@ def cuda_compute_capability() -> tuple[int, int] | None:
     return min(caps) if caps else None
 
 
+def smem_per_block_limit(cc: tuple[int, int]) -> int:
+    """Opt-in dynamic shared memory per block (bytes) of compute capability ``cc`` (CUDA programming guide,
+    "Technical specifications"): 8.0 / 8.7: 163 KiB; 9.0, 10.x: 227 KiB; the others of 8.x and 12.x: 99 KiB."""
+    if cc[0] in (9, 10):
+        return 227 * 1024
+    if cc in ((8, 0), (8, 7)):
+        return 163 * 1024
+    return 99 * 1024
+
+
 def kernels_unavailable_reason() -> str | None:
     """Why the CUDA kernels are not used on this machine right now, or None when they are."""
     if os.environ.get("JAXFOX_DISABLE_KERNELS", "0") not in ("", "0"):
@@ -107,12 +117,12 @@ def kernels_unavailable_reason() -> str | None:
 
 
 OPT_IN_ENV = "JAXFOX_OPT_IN_KERNELS"
-OPT_IN = ("attention_pool", "grouped_matmul", "adamw", "grn")
+OPT_IN = ("attention_pool", "grouped_matmul", "adamw", "grn", "iql")
 """Ops whose kernels are slower than XLA on the H200 so far (BENCHMARKS.md): they run the reference unless
 named in ``JAXFOX_OPT_IN_KERNELS`` (comma-separated, or ``all``), read when a function is traced. (``adamw``:
 its kernel runs by default on parameter trees of many small leaves, :func:`jaxfox.fused_adamw`; the opt-in
 extends it to one flat buffer and big leaves. ``grn``: the single-GRN kernels of ``ffi/grn.cu``, also used by
-the VSN's selection GRN.)"""
+the VSN's selection GRN. ``iql``: the fused value-loss kernel of :func:`jaxfox.iql_value_loss`.)"""
 
 
 def opted_in_names() -> set[str]:

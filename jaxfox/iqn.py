@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._ffi import cuda_compute_capability, dispatch, smem_per_block_limit, ffi_call as _ffi_call, psum_to_match
 from jaxfox._validate import check_array, positive_int as _positive_int
 from jaxfox.losses import quantile_embedding
 from jaxfox.reduce import reduce_chunks
@@ -169,23 +169,13 @@ def _smem_bytes(K, H, backward):
     return 4 * ((H + K) * lw + _MAX_TILE_ROWS * lk + 3 * _MAX_TILE_ROWS * lh + 3 * H + 2 * _MAX_TILE_ROWS)
 
 
-# Opt-in shared memory per block by compute capability (CUDA programming guide, "Technical specifications"):
-# 8.0 / 8.7: 163 KiB; 9.0, 10.x: 227 KiB; the others of 8.x and 12.x: 99 KiB.
-def _smem_limit(cc):
-    if cc[0] in (9, 10):
-        return 227 * 1024
-    if cc in ((8, 0), (8, 7)):
-        return 163 * 1024
-    return 99 * 1024
-
-
 def _kernel_supported(cfg, B):
     if not (cfg.hidden in _KERNEL_H and cfg.n_cos in _KERNEL_K and 1 <= cfg.n_quantiles <= _MAX_TILE_ROWS
             and 1 <= B and B * cfg.n_quantiles < 2**31):
         return False
     cc = cuda_compute_capability()  # None when no CUDA device is visible (tracing for CUDA elsewhere)
     need = max(_smem_bytes(cfg.n_cos, cfg.hidden, b) for b in (False, True))
-    return cc is None or (cc >= (8, 0) and need <= _smem_limit(cc))
+    return cc is None or (cc >= (8, 0) and need <= smem_per_block_limit(cc))
 
 
 def iqn_head(params, psi, taus):

@@ -6,6 +6,7 @@ profile holds one launch of each of the op's kernels.
         -o cfc python3 tools/ncu_op.py cfc [--B 32 --T 256 --I 48 --H 128 --U 128]
     ncu ... -k regex:iqn_head -o iqn python3 tools/ncu_op.py iqn [--B 16384 --N 32 --K 64 --H 128]
     JAXFOX_OPT_IN_KERNELS=grn ncu ... -k regex:grn_ -o grn python3 tools/ncu_op.py grn [--R 2048 --I 192 --H 32 --O 48]
+    JAXFOX_OPT_IN_KERNELS=iql ncu ... -k regex:iql_ -o iql python3 tools/ncu_op.py iql [--B 16384 --D 256 --H 128 --G 2]
 
 (grn defaults: the VSN's selection GRN of the main job, without its softmax; the head GRN is --R 32 --I 64
 --H 32 --O 32.) Read an exported source page with tools/ncu_sass_summary.py.
@@ -39,6 +40,14 @@ def iqn(a):
     return jax.value_and_grad(lambda p, psi: jnp.sum(jaxfox.iqn_head(p, psi, taus) * c), argnums=(0, 1)), (params, psi)
 
 
+def iql(a):
+    from jaxfox.models.aux import iql_init
+    params = iql_init(jax.random.key(0), a.D, hidden=(a.H,), num_networks=a.G)
+    taus = tuple(0.5 + 0.4 * g / max(1, a.G - 1) for g in range(a.G))
+    obs, target = _normal(1, (a.B, a.D)), _normal(2, (a.B,))
+    return jax.value_and_grad(lambda p: jnp.sum(jaxfox.iql_value_loss(p, obs, target, taus))), (params,)
+
+
 def grn(a):
     params = jaxfox.grn_init(jax.random.key(0), a.I, a.H, a.O)
     c = _normal(2, (a.R, a.O))
@@ -47,7 +56,8 @@ def grn(a):
 
 _OPS = {"cfc": (cfc, dict(B=32, T=256, I=48, H=128, U=128)),
         "iqn": (iqn, dict(B=16384, N=32, K=64, H=128)),
-        "grn": (grn, dict(R=2048, I=192, H=32, O=48))}
+        "grn": (grn, dict(R=2048, I=192, H=32, O=48)),
+        "iql": (iql, dict(B=16384, D=256, H=128, G=2))}
 
 
 def main() -> None:
