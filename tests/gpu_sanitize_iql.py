@@ -1,0 +1,96 @@
+"""Small IQL value-loss runs through the fused CUDA kernel (ffi/iql.cu: jaxfox_iql_value_loss), for compute-sanitizer.
+
+Run on the GPU machine (tools/gpu_visit.sh phase ``sanitize:iql``), e.g.:
+    compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_iql.py
+    compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_iql.py
+Cases (G, D, H, B), each run once:
+(2, 256, 128, 37): the aux trainers' network shape, 2 tiles, the last one partial (5 of 32 rows);
+(1, 64, 64, 5): B < 32, one partial tile, the smallest instantiation;
+(3, 128, 64, 1000): G = 3 (grid 32 x 3), 32 tiles, the last one partial (8 rows);
+(2, 128, 128, 4097): 129 tiles over 66 blocks a network (blocks walk several tiles: the next-tile prefetch and
+the double buffer), the last tile 1 row, and the chunked parameter-gradient reduction (reduce_chunks > 1).
+Each case runs jax.vjp w.r.t. the params (the kernel computes the loss, the parameter gradient and
+dy in its one call; only the params are differentiated so that the program has no XLA GEMM: d obs would add
+XLA's, and the sanitizer has segfaulted on programs with cuBLAS / sm_90 GEMM kernels, CONTEXT.md), blocks until
+ready, and checks that every result is finite, and the values against the float64 NumPy oracle of tests/test_iql.py
+(rel err <= 5e-3 per array, the TF32 tolerance) on the exact-math inputs of tests/test_iql.py (every first-layer
+pre-activation |p| >= 0.2 and every residual |u| >= 0.25, asserted with the oracle, so TF32 flips no mask).
+Prints OK at the end. Exit status: 0 when all pass; 1 when a result is not finite or off the oracle; 2 when the
+kernels are not available (nothing would be sanitized).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Keep the sanitizer's view small: no 75% preallocation, no GEMM autotuning launches.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# one cudaMalloc per buffer (not XLA's pool), so that memcheck sees a read or write just past a buffer's end
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+# the kernel is opt-in (jaxfox._ffi.OPT_IN): add iql to whatever JAXFOX_OPT_IN_KERNELS names already
+_names = [n for n in os.environ.get("JAXFOX_OPT_IN_KERNELS", "").split(",") if n.strip()]
+os.environ["JAXFOX_OPT_IN_KERNELS"] = ",".join(_names + ["iql"])
+if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxfox  # noqa: E402
+from jaxfox.reduce import reduce_chunks  # noqa: E402
+
+TARGET = "jaxfox_iql_value_loss"
+TOL = 5e-3
+
+
+def case(G, D, H, B, seed=0) -> bool:
+    """One run of the kernel; True when every result is finite and within TOL of the oracle."""
+    from conftest import rel_err
+    from test_iql import (assert_far_from_kinks, cotangent, exact_inputs, named, np_iql_grads, np_iql_loss,
+                          taus_for)
+
+    params, obs, target = exact_inputs(G, D, H, B, seed=seed)
+    assert_far_from_kinks(params, obs, target)
+    taus, c = taus_for(G), cotangent(G, seed=seed)
+
+    def f(p, o, t, c):  # the losses and the gradient of sum_g c_g loss_g w.r.t. the params: one kernel call
+        loss, vjp = jax.vjp(lambda p: jaxfox.iql_value_loss(p, o, t, taus), p)
+        return loss, named(*vjp(c))
+
+    compiled = jax.jit(f).lower(params, obs, target, c).compile()
+    assert TARGET in compiled.as_text(), "kernel path not taken"
+    loss, grads = jax.device_get(jax.block_until_ready(compiled(params, obs, target, c)))
+    got = {"loss": loss, **grads}
+    bad = [k for k, v in got.items() if not np.isfinite(np.asarray(v)).all()]
+    if bad:
+        print(f"iql_value_loss G={G} D={D} H={H} B={B}: NOT FINITE: {bad}", flush=True)
+        return False
+    want_g = np_iql_grads(params, obs, target, taus, c)
+    want = {"loss": np_iql_loss(params, obs, target, taus), **{k: want_g[k] for k in grads}}
+    errs = {k: rel_err(got[k], want[k]) for k in got}
+    ok = all(e <= TOL for e in errs.values())
+    print(f"iql_value_loss G={G} D={D} H={H} B={B}: {'ok' if ok else 'OFF THE ORACLE'} "
+          f"(rel errs {', '.join(f'{k} {e:.1e}' for k, e in errs.items())})", flush=True)
+    return ok
+
+
+def main() -> int:
+    if not jaxfox.kernels_available():
+        print(f"jaxfox kernels unavailable: {jaxfox.kernels_unavailable_reason()}", file=sys.stderr)
+        return 2
+    P = 128 * 128 + 2 * 128 + 4               # ffi/iql.cu Layout::kP at D = H = 128
+    S = min(-(-4097 // 32), 132 // 2)         # jaxfox/iql.py _splits: 66 blocks a network
+    assert reduce_chunks(S, 2 * P) > 1, "the last case no longer takes the chunked reduction"
+    ok = True
+    for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097)):
+        ok = case(*shape, seed=sum(shape)) and ok
+    if not ok:
+        print("FAILED")
+        return 1
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
