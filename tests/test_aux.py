@@ -45,8 +45,9 @@ def test_iql_values_match_numpy_all_impls():
         iql_values(p, obs, "loop")
 
 
-def test_iql_grads_grouped_equal_vmap():
-    tr_g = make_aux(SMALL, iql_impl="grouped")
+@pytest.mark.parametrize("impl", ["grouped", "fused"])
+def test_iql_grads_equal_vmap(impl):
+    tr_g = make_aux(SMALL, iql_impl=impl)
     tr_v = make_aux(SMALL, iql_impl="vmap")
     st = tr_g.init(jax.random.key(0))
     b = synthetic_batch(jax.random.key(1), SMALL, 64)

@@ -290,39 +290,28 @@ def iql_pair_case(size: str) -> list[Variant]:
     """Two IQL value networks D -> H -> 1 (ReLU), identical shapes, on one batch of B states:
     value_and_grad of expectile(0.7) + expectile(0.9) losses (mean over B) w.r.t. both networks.
 
-    jaxfox path: one ``grouped_matmul_stacked`` per layer for both networks (the states are shared,
-    not copied); reference path: the same code under ``use_reference()``, i.e. the vmapped
-    (batched GEMM) pure-JAX einsums. float32, default matmul precision (TF32 on both paths on GPU).
+    jaxfox path: :func:`jaxfox.iql_value_loss`, the losses and their parameter gradient in one kernel (TF32
+    products; opt-in, so the case opts in while tracing); reference path: the same call under ``use_reference()``, i.e. the networks ``jax.vmap``-ed over
+    their stacked weights (batched GEMMs, TF32 at the default precision on the GPU), the baseline of issue 5.
     FLOPs: matmuls only, forward 2 B (D H + H) x 2 networks; forward+backward counted as 2x
     (the backward needs dW only for layer 1, dW and dX for layer 2).
-    The grouped-GEMM kernels are opt-in: the jaxfox path runs them only with JAXFOX_OPT_IN_KERNELS=grouped_matmul
-    in the environment (see jaxfox.gemm); otherwise both paths run the reference.
     """
     import jaxfox
+    from jaxfox.models.aux import iql_init
 
     s = _IQL_SHAPES[size]
     B, D, H = s["B"], s["D"], s["H"]
     taus = (0.7, 0.9)
 
     def setup():
-        k = jax.random.split(jax.random.key(21), 4)
-        params = {"w1": jax.random.normal(k[0], (2, D, H)) / jnp.sqrt(D), "b1": jnp.zeros((2, H)),
-                  "w2": jax.random.normal(k[1], (2, H, 1)) / jnp.sqrt(H), "b2": jnp.zeros((2, 1))}
+        params = iql_init(jax.random.key(21), D, hidden=(H,), num_networks=len(taus))
         states = _normal(22, (B, D))
         target = _normal(23, (B,))
 
         def builder():
             def op(params, states, target):
-                def loss(p):
-                    h = jax.nn.relu(jaxfox.grouped_matmul_stacked(states, p["w1"], p["b1"]))  # [2, B, H]
-                    v = jaxfox.grouped_matmul_stacked(h, p["w2"], p["b2"])[..., 0]           # [2, B]
-                    total = jnp.float32(0)
-                    for g, tau in enumerate(taus):  # expectile loss inline (OPS.md "Losses")
-                        u = target - v[g]
-                        total = total + jnp.mean(jnp.abs(tau - (u < 0).astype(jnp.float32)) * u * u)
-                    return total
-
-                return jax.value_and_grad(loss)(params)
+                with _opted_in("iql"):   # no effect on the reference path (use_reference() wins)
+                    return jax.value_and_grad(lambda p: jnp.sum(jaxfox.iql_value_loss(p, states, target, taus)))(params)
 
             return op
 
@@ -560,8 +549,8 @@ def aux_step_case(size: str) -> list[Variant]:
     expectiles 0.7/0.9), IQN head, attention trainer (T = 16, H = 64), each one full training step
     (forward, backward, fused AdamW), B = 16384 per trainer.
 
-    Rows (part): each trainer alone (``iql_pair``: jaxfox path = one grouped GEMM per layer, reference =
-    the vmapped batched-GEMM baseline), ``together`` (``aux_step``: all three in one step, no data
+    Rows (part): each trainer alone (``iql_pair``: jaxfox path = the fused :func:`jaxfox.iql_value_loss`
+    kernel, reference = the vmapped batched-GEMM baseline), ``together`` (``aux_step``: all three in one step, no data
     dependence between them), ``sequence`` (``aux_step_sequential``: the same with a data dependency
     chaining the trainers, so they cannot overlap; its reference path is "the same trainers run in
     sequence on the reference path"). After the rows a breakdown is printed: the sum of the separate
@@ -578,8 +567,8 @@ def aux_step_case(size: str) -> list[Variant]:
             from jaxfox.models.aux import AuxConfig, make_aux, synthetic_batch
 
             cfg = AuxConfig(**s)
-            grouped, vmapped = make_aux(cfg), make_aux(cfg, iql_impl="vmap")
-            state = grouped.init(jax.random.key(11))
+            fused, vmapped = make_aux(cfg), make_aux(cfg, iql_impl="vmap")
+            state = fused.init(jax.random.key(11))
             batch = synthetic_batch(jax.random.key(12), cfg, B)
             fn = {"iql_pair": ("iql_step", "iql", "iql"), "iqn": ("iqn_step", "iqn", "iqn"),
                   "attention": ("attention_step", "attn", "attn"),
@@ -587,7 +576,7 @@ def aux_step_case(size: str) -> list[Variant]:
             name, field, key = fn
             st = state if field is None else getattr(state, field)
             b = batch if key is None else batch[key]
-            return CaseSpec(lambda: getattr(grouped, name), lambda: getattr(vmapped, name), (st, b), None, None)
+            return CaseSpec(lambda: getattr(fused, name), lambda: getattr(vmapped, name), (st, b), None, None)
 
         return setup
 

@@ -10,7 +10,9 @@ them, so that XLA can run them concurrently on the GPU (with
   ``F -> hidden... -> 1`` (ReLU; 256 -> 128 -> 1 in the issue's benchmark) with expectiles (0.7, 0.9),
   each trained with ``mean_b expectile_loss(q_b - V_g(s_b), tau_g)`` (:func:`jaxfox.expectile_loss`), where
   q is the target value of the data action (in ``examples/train_aux.py``: the DQN target network's
-  Q(s, a_data), averaged over branches). With ``iql_impl="grouped"`` (default) every layer of BOTH
+  Q(s, a_data), averaged over branches). With ``iql_impl="fused"`` (default) the losses of all G networks
+  and their parameter gradients are ONE kernel, :func:`jaxfox.iql_value_loss` (one hidden layer; deeper
+  networks fall back to "vmap"; the kernel is opt-in, ``JAXFOX_OPT_IN_KERNELS=iql``, else its reference runs). With ``iql_impl="grouped"`` every layer of BOTH
   networks is ONE :func:`jaxfox.grouped_matmul_stacked` call (groups = networks, stacked weights, the
   first layer's shared input passed once; forward and backward grouped; ``"grouped_list"`` uses the list
   form :func:`jaxfox.grouped_matmul`);
@@ -58,8 +60,9 @@ class AuxConfig(NamedTuple):
 
     obs_dim: F, state features of IQL and IQN.  iql_hidden: hidden widths of each IQL value network
     (F -> *iql_hidden -> 1).  expectiles: one tau per IQL network (G = len, all in (0, 1)).
-    iql_impl: "grouped" (one grouped_matmul_stacked per layer for all G networks), "grouped_list"
-    (one list-form grouped_matmul per layer) or "vmap" (the batched-GEMM baseline).
+    iql_impl: "fused" (the losses and their gradient in one :func:`jaxfox.iql_value_loss` kernel; networks
+    with one hidden layer, else as "vmap"), "grouped" (one grouped_matmul_stacked per layer for all G networks),
+    "grouped_list" (one list-form grouped_matmul per layer) or "vmap" (the batched-GEMM baseline).
     iqn_hidden: H of the IQN head.  n_quantiles: N online samples.  n_target_quantiles: N'.
     n_cos: cosine features.  kappa: Huber threshold.  seq_len, seq_dim, num_heads: the attention
     trainer's T, H and heads.  lr, weight_decay, max_grad_norm: fused AdamW of every trainer.
@@ -69,7 +72,7 @@ class AuxConfig(NamedTuple):
     obs_dim: int = 256
     iql_hidden: tuple = (128,)
     expectiles: tuple = (0.7, 0.9)
-    iql_impl: str = "grouped"
+    iql_impl: str = "fused"
     iqn_hidden: int = 128
     n_quantiles: int = 32
     n_target_quantiles: int = 32
@@ -114,8 +117,8 @@ def _check_config(cfg: AuxConfig):
         pos_int(f"iql_hidden[{i}]", h)
     if len(cfg.expectiles) < 1 or not all(isinstance(t, (int, float)) and 0 < t < 1 for t in cfg.expectiles):
         raise ValueError(f"config.expectiles must be a non-empty tuple of floats in (0, 1), got {cfg.expectiles!r}")
-    if cfg.iql_impl not in ("grouped", "grouped_list", "vmap"):
-        raise ValueError(f"config.iql_impl must be 'grouped', 'grouped_list' or 'vmap', got {cfg.iql_impl!r}")
+    if cfg.iql_impl not in ("fused", "grouped", "grouped_list", "vmap"):
+        raise ValueError(f"config.iql_impl must be 'fused', 'grouped', 'grouped_list' or 'vmap', got {cfg.iql_impl!r}")
     if cfg.seq_dim % cfg.num_heads:
         raise ValueError(f"config.num_heads={cfg.num_heads} must divide config.seq_dim={cfg.seq_dim}")
     if not 0 <= cfg.target_tau <= 1:
@@ -188,9 +191,12 @@ def iql_values(params, obs, impl="grouped"):
     raise ValueError(f"impl must be 'grouped', 'grouped_list' or 'vmap', got {impl!r}")
 
 
-def iql_loss(params, batch, expectiles, impl="grouped"):
+def iql_loss(params, batch, expectiles, impl="fused"):
     """(sum_g mean_b expectile_loss(q - V_g, tau_g), per-network losses [G])."""
-    v = iql_values(params, batch["obs"], impl)
+    if impl == "fused" and len(params["w"]) == 2:
+        per_net = jaxfox.iql_value_loss(params, batch["obs"], batch["q"], tuple(expectiles))
+        return jnp.sum(per_net), per_net
+    v = iql_values(params, batch["obs"], "vmap" if impl == "fused" else impl)
     u = batch["q"][:, None] - v
     per_net = jnp.mean(jaxfox.expectile_loss(u, jnp.asarray(expectiles, jnp.float32)), axis=0)
     return jnp.sum(per_net), per_net
