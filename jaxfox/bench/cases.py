@@ -291,8 +291,9 @@ def iql_pair_case(size: str) -> list[Variant]:
     value_and_grad of expectile(0.7) + expectile(0.9) losses (mean over B) w.r.t. both networks.
 
     jaxfox path: :func:`jaxfox.iql_value_loss`, the losses and their parameter gradient in one kernel (TF32
-    products; opt-in, so the case opts in while tracing); reference path: the same call under ``use_reference()``, i.e. the networks ``jax.vmap``-ed over
-    their stacked weights (batched GEMMs, TF32 at the default precision on the GPU), the baseline of issue 5.
+    products; opt-in, so the case opts in while tracing); reference path: the same call under
+    ``use_reference()``, i.e. the networks ``jax.vmap``-ed over their stacked weights (batched GEMMs, TF32 at
+    the default precision on the GPU), the baseline of issue 5.
     FLOPs: matmuls only, forward 2 B (D H + H) x 2 networks; forward+backward counted as 2x
     (the backward needs dW only for layer 1, dW and dX for layer 2).
     """
@@ -550,8 +551,8 @@ def aux_step_case(size: str) -> list[Variant]:
     (forward, backward, fused AdamW), B = 16384 per trainer.
 
     Rows (part): each trainer alone (``iql_pair``: jaxfox path = the fused :func:`jaxfox.iql_value_loss`
-    kernel, reference = the vmapped batched-GEMM baseline), ``together`` (``aux_step``: all three in one step, no data
-    dependence between them), ``sequence`` (``aux_step_sequential``: the same with a data dependency
+    kernel when opted in, reference = the vmapped batched-GEMM baseline), ``together`` (``aux_step``: all
+    three in one step, no data dependence between them), ``sequence`` (``aux_step_sequential``: the same with a data dependency
     chaining the trainers, so they cannot overlap; its reference path is "the same trainers run in
     sequence on the reference path"). After the rows a breakdown is printed: the sum of the separate
     times, together / sum, and jaxfox together vs reference in sequence. Overlap needs
