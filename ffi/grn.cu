@@ -26,8 +26,9 @@
 // consecutive rows of a column) are free of bank conflicts. Activations are k-major ([width][kTRp] floats):
 // warp w holds rows 4 w .. 4 w + 3 of the tile and reads them with one broadcast float4; lane l computes
 // the columns l and l + 32 (widths up to 64; the backward's d a loops over column chunks of 64). A row's
-// LayerNorm and softmax are warp reductions. The backward CTA recomputes the forward of its rows, loops
-// over `tiles_per_block` row tiles (a function of the shape only, chosen by jaxfox/grn.py), accumulates the
+// LayerNorm and softmax are warp reductions. The forward saves each row's e2, e1, g4, g5, zhat and rstd
+// (ResWidth floats) when a backward follows; the backward CTA reads them instead of recomputing the forward
+// (which was a quarter of its instructions, ncu, fifteenth session), loops over `tiles_per_block` row tiles (a function of the shape only, chosen by jaxfox/grn.py), accumulates the
 // parameter gradient in registers (4 x 4 tiles of each dW, up to kWSlots a thread; column sums for the
 // biases, gamma and beta), each element summed over the rows in a fixed order, and writes one partial row
 // [P] per CTA; LaunchReduceAxis0 sums the partials in a fixed order in the same handler. No atomics:
@@ -50,8 +51,14 @@ constexpr int kMaxOut = 64;           // O (KERNEL_MAX_OUTPUT)
 constexpr int kWSlots = 6;            // 4 x 4 dW tiles a thread (jaxfox/grn.py _W_SLOTS)
 constexpr int kBiasSlots = 2;         // bias / gamma / beta columns a thread: 2 H + 5 O <= 448 <= 512
 constexpr int kMats = 5;              // dW2, dW1, dW4, dW5, dWs
+static_assert(kMaxHidden <= kThreads && kMaxOut <= kThreads && kMaxIn <= kThreads,
+              "StageMatrix and LoadA give each thread one column");
 
 __host__ __device__ inline int Odd(int n) { return n | 1; }  // staged row stride of a [K][n] weight
+
+// The forward's residuals of a row, for the backward (jaxfox/grn.py _res_width mirrors it):
+// [e2 (H) | e1 (H) | g4 (O) | g5 (O) | zhat (O) | rstd (1)].
+__host__ __device__ inline int ResWidth(int H, int O) { return 2 * H + 3 * O + 1; }
 
 // Shared-memory layout (offsets in floats, each a multiple of 4); jaxfox/grn.py _smem_bytes mirrors it.
 struct SmemLayout {
@@ -114,13 +121,14 @@ __device__ __forceinline__ void CpAsync4(float* dst, const float* src, bool src_
 
 __device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Stages W [K][N] (row-major at src) into dst with row stride Odd(N) (asynchronously: CpAsyncWait).
+// Stages W [K][N] (row-major at src, N <= kThreads) into dst with row stride Odd(N) (asynchronously:
+// CpAsyncWait). A thread copies column n of rows k0, k0 + kThreads / N, ...: one division a matrix, not one
+// an element (ncu, thirteenth session: the per-element divisions were 11 % of the forward's instructions).
 __device__ __forceinline__ void StageMatrix(float* dst, const float* __restrict__ src, int K, int N) {
-  const int ld = Odd(N);
-  for (int idx = threadIdx.x; idx < K * N; idx += kThreads) {
-    const int k = idx / N, n = idx - k * N;
-    CpAsync4(dst + k * ld + n, src + idx, true);
-  }
+  const int ld = Odd(N), rows = kThreads / N;
+  const int k0 = threadIdx.x / N, n = threadIdx.x - k0 * N;
+  if (k0 >= rows) return;
+  for (int k = k0; k < K; k += rows) CpAsync4(dst + k * ld + n, src + k * N + n, true);
 }
 
 __device__ __forceinline__ void StageVector(float* dst, const float* __restrict__ src, int n) {
@@ -146,23 +154,49 @@ __device__ void StageWeights(float* sm, const SmemLayout& S, const float* __rest
 }
 
 // acc[i][c] += sum_{k < K} AT[k][r0 + i] * W[k * ks + col_c * cs] with col_c = c0 + lane + 32 c, for the
-// columns < N (the others get 0 added). ks = Odd(N), cs = 1 reads a staged W [K][N]; ks = 1, cs = Odd(K)
-// reads the transpose of a staged [N][K] matrix.
-__device__ __forceinline__ void TileGemm(const float* AT, int K, const float* W, int ks, int cs, int N, int c0,
-                                         int r0, int lane, float (&acc)[4][2]) {
-  const int col0 = c0 + lane, col1 = col0 + 32;
-  const bool v0 = col0 < N, v1 = col1 < N;
-  const float* w0 = W + (v0 ? col0 : 0) * cs;
-  const float* w1 = W + (v1 ? col1 : 0) * cs;
+// columns < N (the others are left as they are). ks = Odd(N), cs = 1 reads a staged W [K][N]; ks = 1,
+// cs = Odd(K) reads the transpose of a staged [N][K] matrix. NC = 1 when the second column slot is empty for
+// the whole warp (c0 + 32 >= N), so that N <= 32 does not pay for it. The loop has no predicates: a lane
+// whose column is >= N reads column 0 (staged, finite) and drops its sums at the end.
+template <int NC>
+__device__ __forceinline__ void TileGemmCols(const float* AT, int K, const float* W, int ks, int cs, int N, int c0,
+                                             int r0, int lane, float (&acc)[4][2]) {
+  bool valid[NC];
+  const float* wp[NC];
+  float s[4][NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int col = c0 + lane + 32 * c;
+    valid[c] = col < N;
+    wp[c] = W + (valid[c] ? col : 0) * cs;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i][c] = acc[i][c];
+  }
+  const float* ap = AT + r0;
 #pragma unroll 4
   for (int k = 0; k < K; ++k) {
-    const float4 a = *reinterpret_cast<const float4*>(AT + k * kTRp + r0);
-    const float b0 = v0 ? w0[k * ks] : 0.f;
-    const float b1 = v1 ? w1[k * ks] : 0.f;
-    acc[0][0] = fmaf(a.x, b0, acc[0][0]); acc[0][1] = fmaf(a.x, b1, acc[0][1]);
-    acc[1][0] = fmaf(a.y, b0, acc[1][0]); acc[1][1] = fmaf(a.y, b1, acc[1][1]);
-    acc[2][0] = fmaf(a.z, b0, acc[2][0]); acc[2][1] = fmaf(a.z, b1, acc[2][1]);
-    acc[3][0] = fmaf(a.w, b0, acc[3][0]); acc[3][1] = fmaf(a.w, b1, acc[3][1]);
+    const float4 a = *reinterpret_cast<const float4*>(ap + k * kTRp);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const float b = wp[c][k * ks];
+      s[0][c] = fmaf(a.x, b, s[0][c]);
+      s[1][c] = fmaf(a.y, b, s[1][c]);
+      s[2][c] = fmaf(a.z, b, s[2][c]);
+      s[3][c] = fmaf(a.w, b, s[3][c]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i][c] = valid[c] ? s[i][c] : acc[i][c];
+}
+
+__device__ __forceinline__ void TileGemm(const float* AT, int K, const float* W, int ks, int cs, int N, int c0,
+                                         int r0, int lane, float (&acc)[4][2]) {
+  if (c0 + 32 >= N) {
+    TileGemmCols<1>(AT, K, W, ks, cs, N, c0, r0, lane, acc);
+  } else {
+    TileGemmCols<2>(AT, K, W, ks, cs, N, c0, r0, lane, acc);
   }
 }
 
@@ -192,15 +226,18 @@ __device__ __forceinline__ void StoreTile(float* AT, int N, int r0, int lane, co
   }
 }
 
-// Loads rows [row0, row0 + 32) of a [R, I] into aT[k][r] (zeros for rows >= R and k >= I), asynchronously
-// (CpAsyncWait).
-__device__ __forceinline__ void LoadA(float* aT, const float* __restrict__ a, int64_t row0, int64_t R, int I) {
-  const int ip = Round4(I);
-  for (int idx = threadIdx.x; idx < kRowTile * ip; idx += kThreads) {
-    const int r = idx / ip, k = idx - r * ip;
+// Loads columns [0, K) of rows [row0, row0 + 32) of a row-major [R][ld] array into dstT[k][r] (zeros for rows
+// >= R and k >= K), asynchronously (CpAsyncWait): the tile's a (ld = K = I), or e2 / e1 from the residuals.
+// A thread copies column k of rows r0, r0 + kThreads / Round4(K), ... (Round4(K) <= kThreads).
+__device__ __forceinline__ void LoadT(float* dstT, const float* __restrict__ src, int ld, int64_t row0, int64_t R,
+                                      int K) {
+  const int kp = Round4(K), rows = kThreads / kp;
+  const int r0 = threadIdx.x / kp, k = threadIdx.x - r0 * kp;
+  if (r0 >= rows) return;
+  for (int r = r0; r < kRowTile; r += rows) {
     const int64_t row = row0 + r;
-    const bool ok = row < R && k < I;
-    CpAsync4(aT + k * kTRp + r, ok ? a + row * I + k : a, ok);
+    const bool ok = row < R && k < K;
+    CpAsync4(dstT + k * kTRp + r, ok ? src + row * ld + k : src, ok);
   }
 }
 
@@ -214,7 +251,7 @@ struct TileFwd {
 __device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, const float* __restrict__ a,
                                             int64_t row0, const GrnDims& D, int r0, int lane, TileFwd& t) {
   const int I = D.I, H = D.H, O = D.O;
-  LoadA(sm + S.a, a, row0, D.R, I);
+  LoadT(sm + S.a, a, I, row0, D.R, I);
   CpAsyncWait();     // this thread's copies (the tile's a, and the weights staged before the first tile)
   __syncthreads();   // everyone's
   float acc[4][2];
@@ -297,10 +334,66 @@ __device__ __forceinline__ void Output(const float* sm, const SmemLayout& S, con
   }
 }
 
+// Writes the tile's residuals (ResWidth columns a row) to res [R][ResWidth]: e2 and e1 from their k-major
+// arrays, g4, g5, zhat and rstd from the thread's registers (lane l: columns l and l + 32, coalesced).
+__device__ __forceinline__ void SaveResiduals(const float* sm, const SmemLayout& S, const GrnDims& D, int64_t row0,
+                                              int r0, int lane, const TileFwd& t, float* __restrict__ res) {
+  const int H = D.H, O = D.O, W = ResWidth(H, O);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t row = row0 + r0 + i;
+    if (row >= D.R) continue;
+    float* rr = res + row * W;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = lane + 32 * c;
+      if (col < H) {
+        rr[col] = sm[S.e2 + col * kTRp + r0 + i];
+        rr[H + col] = sm[S.e1 + col * kTRp + r0 + i];
+      }
+      if (col < O) {
+        rr[2 * H + col] = t.g4[i][c];
+        rr[2 * H + O + col] = t.g5[i][c];
+        rr[2 * H + 2 * O + col] = t.zhat[i][c];
+      }
+    }
+    if (lane == 0) rr[2 * H + 3 * O] = t.rstd[i];
+  }
+}
+
+// The backward's replacement of ForwardTile: a^T, e2^T and e1^T of the tile into shared memory, and the
+// thread's g4, g5, zhat and rstd, from a and the forward's residuals (rows >= R and columns >= O get 0, which
+// makes their gradient 0 as in ForwardTile). Its barrier orders the staged weights too.
+__device__ __forceinline__ void LoadResidualTile(float* sm, const SmemLayout& S, const float* __restrict__ a,
+                                                 const float* __restrict__ res, int64_t row0, const GrnDims& D,
+                                                 int r0, int lane, TileFwd& t) {
+  const int H = D.H, O = D.O, W = ResWidth(H, O);
+  LoadT(sm + S.a, a, D.I, row0, D.R, D.I);
+  LoadT(sm + S.e2, res, W, row0, D.R, H);
+  LoadT(sm + S.e1, res + H, W, row0, D.R, H);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t row = row0 + r0 + i;
+    const bool ok = row < D.R;
+    const float* rr = res + (ok ? row : 0) * W;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = lane + 32 * c;
+      const bool v = ok && col < O;
+      t.g4[i][c] = v ? __ldg(rr + 2 * H + col) : 0.f;
+      t.g5[i][c] = v ? __ldg(rr + 2 * H + O + col) : 0.f;
+      t.zhat[i][c] = v ? __ldg(rr + 2 * H + 2 * O + col) : 0.f;
+    }
+    t.rstd[i] = ok ? __ldg(rr + 2 * H + 3 * O) : 0.f;
+  }
+  CpAsyncWait();
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
 grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const __grid_constant__ GrnDims D,
                const __grid_constant__ GrnParamLayout L, const __grid_constant__ SmemLayout S, int tiles_per_block,
-               float* __restrict__ out) {
+               float* __restrict__ out, float* __restrict__ res) {
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int64_t v = blockIdx.z;
@@ -309,6 +402,7 @@ grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const _
   const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
   const float* av = a + v * D.R * D.I;
   float* ov = out + v * D.R * D.O;
+  float* resv = res == nullptr ? nullptr : res + v * D.R * ResWidth(D.H, D.O);
   for (int tt = 0; tt < tiles_per_block; ++tt) {
     const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
     if (tile >= tiles) break;
@@ -327,6 +421,7 @@ grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const _
         if (row < D.R) ov[row * D.O + col] = y[i][c];
       }
     }
+    if (resv != nullptr) SaveResiduals(sm, S, D, row0, r0, lane, t, resv);
     __syncthreads();  // the next tile's LoadA overwrites a, which this tile's skip path read
   }
 }
@@ -341,7 +436,7 @@ struct BiasSlot {
 
 __global__ void __launch_bounds__(kThreads, 1)
 grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const float* __restrict__ g,
-               const __grid_constant__ GrnDims D, const __grid_constant__ GrnParamLayout L,
+               const float* __restrict__ res, const __grid_constant__ GrnDims D, const __grid_constant__ GrnParamLayout L,
                const __grid_constant__ SmemLayout S, int tiles_per_block, float* __restrict__ da,
                float* __restrict__ partial) {
   extern __shared__ float4 smem4[];
@@ -385,13 +480,14 @@ grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const f
   const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
   const float* av = a + v * D.R * I;
   const float* gv = g + v * D.R * O;
+  const float* resv = res + v * D.R * ResWidth(H, O);
   float* dav = da + v * D.R * I;
   for (int tt = 0; tt < tiles_per_block; ++tt) {
     const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
     if (tile >= tiles) break;
     const int64_t row0 = tile * kRowTile;
     TileFwd t;
-    ForwardTile(sm, S, av, row0, D, r0, lane, t);
+    LoadResidualTile(sm, S, av, resv, row0, D, r0, lane, t);
     float y[4][2];
     Output(sm, S, D, lane, t, y);  // softmax weights when D.softmax (their gradient needs them)
 
@@ -586,14 +682,19 @@ ffi::Error CheckGrn(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F32>&
   return ffi::Error::Success();
 }
 
-// FFI target jaxfox_grn_fwd: w [.., P], a [.., R, I] -> out [.., R, O] (all float32): y, or softmax(y).
+// FFI target jaxfox_grn_fwd: w [.., P], a [.., R, I] -> out [.., R, O]: y, or softmax(y), and res [.., R, W]:
+// the residuals for jaxfox_grn_bwd (W = ResWidth(H, O)), or [.., R, 0] when no backward follows (all float32).
 ffi::Error GrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> a, int64_t hidden_size,
-                      int64_t output_size, float eps, int64_t softmax, ffi::ResultBuffer<ffi::F32> out) {
+                      int64_t output_size, float eps, int64_t softmax, ffi::ResultBuffer<ffi::F32> out,
+                      ffi::ResultBuffer<ffi::F32> res) {
   ClearStaleCudaError();
   GrnDims D;
   GrnParamLayout L;
   JAXFOX_RETURN_IF_ERROR(CheckGrn(w, a, hidden_size, output_size, eps, softmax, &D, &L));
   JAXFOX_RETURN_IF_ERROR(CheckShape(*out, "grn: out", {D.R, D.O}, &D.V));
+  const auto rd = res->dimensions();
+  const bool save = rd.size() > 0 && rd[rd.size() - 1] != 0;
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*res, "grn: res", {D.R, save ? ResWidth(D.H, D.O) : 0}, &D.V));
   if (D.V == 0 || D.R == 0) return ffi::Error::Success();
   const SmemLayout S = MakeSmemLayout(D.I, D.H, D.O, D.skip, false);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
@@ -606,15 +707,17 @@ ffi::Error GrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
   const int64_t blocks = CeilDiv(tiles, std::min(per, tiles));
   dim3 grid(static_cast<unsigned>(blocks), 1, static_cast<unsigned>(D.V));
   grn_fwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), a.typed_data(), D, L, S,
-                                                    static_cast<int>(CeilDiv(tiles, blocks)), out->typed_data());
+                                                    static_cast<int>(CeilDiv(tiles, blocks)), out->typed_data(),
+                                                    save ? res->typed_data() : nullptr);
   return LastCudaError("grn_fwd");
 }
 
-// FFI target jaxfox_grn_bwd: (w, a, g [.., R, O] the cotangent of out) -> dw [.., P], da [.., R, I], and the
+// FFI target jaxfox_grn_bwd: (w, a, g [.., R, O] the cotangent of out, res [.., R, W] jaxfox_grn_fwd's
+// residuals) -> dw [.., P], da [.., R, I], and the
 // workspaces partials [.., blocks, P] (blocks = ceil(ceil(R / 32) / tiles_per_block)) and chunk partials
 // [.., chunks * P] (or [.., 0] when chunks == 1).
 ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> a,
-                      ffi::Buffer<ffi::F32> g, int64_t hidden_size, int64_t output_size, float eps, int64_t softmax,
+                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> res, int64_t hidden_size, int64_t output_size, float eps, int64_t softmax,
                       int64_t tiles_per_block, int64_t chunks, ffi::ResultBuffer<ffi::F32> dw,
                       ffi::ResultBuffer<ffi::F32> da, ffi::ResultBuffer<ffi::F32> part,
                       ffi::ResultBuffer<ffi::F32> ws) {
@@ -623,6 +726,7 @@ ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
   GrnParamLayout L;
   JAXFOX_RETURN_IF_ERROR(CheckGrn(w, a, hidden_size, output_size, eps, softmax, &D, &L));
   JAXFOX_RETURN_IF_ERROR(CheckShape(g, "grn: g", {D.R, D.O}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(res, "grn: res", {D.R, ResWidth(D.H, D.O)}, &D.V));
   JAXFOX_RETURN_IF_ERROR(CheckShape(*dw, "grn: dw", {L.P}, &D.V));
   JAXFOX_RETURN_IF_ERROR(CheckShape(*da, "grn: da", {D.R, D.I}, &D.V));
   if (tiles_per_block < 1 || tiles_per_block > 0x7fffffff) {
@@ -649,7 +753,8 @@ ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
   JAXFOX_RETURN_IF_ERROR(PrepareSmem("grn", grn_bwd_kernel, bytes));
   dim3 grid(static_cast<unsigned>(blocks), 1, static_cast<unsigned>(D.V));
-  grn_bwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), a.typed_data(), g.typed_data(), D, L, S,
+  grn_bwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), a.typed_data(), g.typed_data(),
+                                                    res.typed_data(), D, L, S,
                                                     static_cast<int>(tiles_per_block), da->typed_data(),
                                                     part->typed_data());
   JAXFOX_RETURN_IF_ERROR(LastCudaError("grn_bwd"));
@@ -670,7 +775,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_fwd, jaxfox::GrnFwdImpl,
                                   .Attr<int64_t>("output_size")
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("softmax")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // out [R, O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // out [R, O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // res [R, W] or [R, 0]
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_bwd, jaxfox::GrnBwdImpl,
@@ -679,6 +785,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_bwd, jaxfox::GrnBwdImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w [P]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // a [R, I]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // g [R, O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // res [R, W]
                                   .Attr<int64_t>("hidden_size")
                                   .Attr<int64_t>("output_size")
                                   .Attr<float>("eps")

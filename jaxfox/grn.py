@@ -18,13 +18,14 @@ identical, and rows with a large common offset such as 1449 +- 1 keep their digi
 
 Kernels (``ffi/grn.cu``, opt-in): a GRN without context whose widths are small (I <= 256, Hd <= 64,
 O <= 64, and the kernel's shared-memory and register-tile limits, see :func:`_kernel_fits`) has one fused
-forward kernel (``jaxfox_grn_fwd``) and one fused backward kernel (``jaxfox_grn_bwd``, which recomputes the
-forward of its rows and writes per-row-range parameter partials that ``LaunchReduceAxis0`` sums in a fixed
+forward kernel (``jaxfox_grn_fwd``, which also saves each row's e2, e1, g4, g5, zhat and rstd for the
+backward when one follows) and one fused backward kernel (``jaxfox_grn_bwd``, which reads those residuals and
+writes per-row-range parameter partials that ``LaunchReduceAxis0`` sums in a fixed
 order: no atomics, bitwise reproducible) inside a ``jax.custom_vjp``. They are written for the perception
 model's GRNs: the VSN's selection GRN (I = m d = 192, Hd = 32, O = m = 48, with the softmax of TFT eq. 6
-fused) and the head GRN (I = 64, Hd = O = 32). On the H200 they are SLOWER than XLA so far (fwd+bwd 0.74x
-the XLA reference at the selection shape and 2048 rows, 0.50x at 16384, 0.67x for the head GRN at 32 rows;
-the perception step 728 us with them vs 689 us without, BENCHMARKS.md "twelfth session"), so they run only
+fused) and the head GRN (I = 64, Hd = O = 32). On the H200 they are still not faster than XLA (fwd+bwd 0.98x
+the XLA reference at the selection shape and 2048 rows, 0.71x at 16384, 0.86x for the head GRN at 32 rows; the
+perception step 692 us with them vs 700 us without, BENCHMARKS.md "fifteenth session"), so they run only
 when ``JAXFOX_OPT_IN_KERNELS`` names ``grn`` (or ``all``) at trace time, on CUDA. Wider GRNs, such as the
 issue's bench shape I = Hd = O = 128, and GRNs with a context always run the pure-JAX reference (there XLA's
 TF32 tensor-core matmuls beat CUDA-core kernels: a fused kernel measured 0.68x at 2048 rows, BENCHMARKS.md
@@ -294,19 +295,32 @@ def _bwd_tiling(R):
     return backward_tiling(R, _ROW_TILE, _TARGET_BWD_BLOCKS)
 
 
+def _res_width(cfg):
+    """ffi/grn.cu ResWidth: the forward's residuals a row, [e2 (H) | e1 (H) | g4 (O) | g5 (O) | zhat (O) | rstd]."""
+    return 2 * cfg.hidden_size + 3 * cfg.output_size + 1
+
+
+def _grn_kernel_call(cfg, wflat, a, save):
+    """(out [R, O], res [R, W]) from jaxfox_grn_fwd; W = _res_width(cfg) when ``save`` (a backward follows), else 0."""
+    R = a.shape[0]
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((R, cfg.output_size), f32),
+           jax.ShapeDtypeStruct((R, _res_width(cfg) if save else 0), f32))
+    return _ffi_call("jaxfox_grn_fwd", out, vmap_method="broadcast_all")(wflat, a, **_attrs(cfg))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _grn_kernel(cfg, wflat, a):
-    R = a.shape[0]
-    return _ffi_call("jaxfox_grn_fwd", jax.ShapeDtypeStruct((R, cfg.output_size), jnp.float32),
-                     vmap_method="broadcast_all")(wflat, a, **_attrs(cfg))
+    return _grn_kernel_call(cfg, wflat, a, save=False)[0]
 
 
 def _grn_kernel_fwd(cfg, wflat, a):
-    return _grn_kernel(cfg, wflat, a), (wflat, a)
+    out, res = _grn_kernel_call(cfg, wflat, a, save=True)
+    return out, (wflat, a, res)
 
 
 def _grn_kernel_bwd(cfg, res, g):
-    wflat, a = res
+    wflat, a, fwd_res = res
     R, I = a.shape
     P = wflat.shape[0]
     per, blocks = _bwd_tiling(R)
@@ -317,7 +331,7 @@ def _grn_kernel_bwd(cfg, res, g):
            jax.ShapeDtypeStruct((blocks, P), f32),                          # workspace: per-CTA partials
            jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))   # workspace: reduce_axis0
     dw, da, *_ = _ffi_call("jaxfox_grn_bwd", out, vmap_method="broadcast_all")(
-        wflat, a, g.astype(f32), tiles_per_block=np.int64(per), chunks=np.int64(chunks), **_attrs(cfg))
+        wflat, a, g.astype(f32), fwd_res, tiles_per_block=np.int64(per), chunks=np.int64(chunks), **_attrs(cfg))
     return psum_to_match((dw, da), (wflat, a))
 
 
@@ -370,7 +384,7 @@ def grn(params, a, context=None, *, eps=1e-5):
     With ``JAXFOX_OPT_IN_KERNELS=grn`` on CUDA, a GRN without context and with small widths (I <= 256,
     Hd <= 64, O <= 64: module docstring) runs the fused kernels of ``ffi/grn.cu`` (forward and a
     ``jax.custom_vjp`` backward, parameter gradients summed in a fixed order: bitwise reproducible);
-    they are slower than XLA on the H200 so far, hence opt-in.
+    they are not faster than XLA on the H200 so far, hence opt-in.
 
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, or eps is not a number.

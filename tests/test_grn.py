@@ -440,13 +440,17 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
     P = _flat_size(I, H, O)
     a, r = jnp.zeros((R, I)), jnp.zeros((R, O))
     calls = cuda_custom_calls(_value_and_grad(), p, a, r)
-    assert set(calls) == {GRN_FWD, GRN_BWD} and len(calls[GRN_FWD]) >= 1 and len(calls[GRN_BWD]) == 1
+    assert set(calls) == {GRN_FWD, GRN_BWD} and len(calls[GRN_FWD]) == 2 and len(calls[GRN_BWD]) == 1
+    # the forward returns y and the residuals for the backward: [R, 2 H + 3 O + 1] (e2, e1, g4, g5, zhat, rstd)
+    # inside jax.grad, [R, 0] for the primal call outside it
+    W = 2 * H + 3 * O + 1
+    fwd_out = f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>) -> (tensor<{R}x{O}xf32>, tensor<{R}x{{}}xf32>)"
+    assert sorted(next(w for w in (0, W) if fwd_out.format(w) in c) for c in calls[GRN_FWD]) == [0, W]
     fwd, bwd = calls[GRN_FWD][0], calls[GRN_BWD][0]
-    assert f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>) -> tensor<{R}x{O}xf32>" in fwd
     assert f"hidden_size = {H} : i64" in fwd and f"output_size = {O} : i64" in fwd and "eps = 9.99999974E-6" in fwd
     assert "softmax = 1 : i64" not in fwd and "softmax = 1 : i64" not in bwd   # a plain GRN: no softmax
-    # the backward takes the parameters, a and d y; returns dw [P] and d a [R, I] (plus workspaces)
-    assert f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>, tensor<{R}x{O}xf32>) -> " in bwd
+    # the backward takes the parameters, a, d y and the residuals; returns dw [P] and d a [R, I] (plus workspaces)
+    assert f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>, tensor<{R}x{O}xf32>, tensor<{R}x{W}xf32>) -> " in bwd
     per, blocks = grn_mod._bwd_tiling(R)
     chunks = reduce_chunks(blocks, P)
     ws = f"tensor<{chunks * P}xf32>" if chunks > 1 else "tensor<0xf32>"
@@ -462,7 +466,8 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
     q = random_grn_params(32, 17, 32, seed=2)
     calls = cuda_custom_calls(_value_and_grad(), q, jnp.zeros((37, 32)), jnp.zeros((37, 32)))
     assert set(calls) == {GRN_FWD, GRN_BWD}
-    assert f"(tensor<{_flat_size(32, 17, 32)}xf32>, tensor<37x32xf32>) -> tensor<37x32xf32>" in calls[GRN_FWD][0]
+    assert any(f"(tensor<{_flat_size(32, 17, 32)}xf32>, tensor<37x32xf32>) -> (tensor<37x32xf32>, tensor<37x131xf32>)"
+               in c for c in calls[GRN_FWD])
     with jaxfox.use_reference():
         assert cuda_custom_calls(_value_and_grad(), p, a, r) == {}
 
@@ -520,8 +525,10 @@ def test_vsn_selection_lowers_to_the_grn_kernels(kernels_on):
     calls = cuda_custom_calls(step, p, jnp.zeros((32, 64, m, d)))
     assert {GRN_FWD, GRN_BWD, VSN_FWD, VSN_BWD} <= set(calls), set(calls)
     assert len(calls[GRN_BWD]) == 1
+    W = 2 * H + 3 * m + 1   # the selection GRN's residuals a row (inside jax.grad; 0 for the primal call)
     for rest in calls[GRN_FWD]:
-        assert f"(tensor<{P}xf32>, tensor<{R}x{m * d}xf32>) -> tensor<{R}x{m}xf32>" in rest
+        assert any(f"(tensor<{P}xf32>, tensor<{R}x{m * d}xf32>) -> (tensor<{R}x{m}xf32>, tensor<{R}x{w}xf32>)"
+                   in rest for w in (0, W)), rest[-200:]
     for rest in calls[GRN_FWD] + calls[GRN_BWD]:
         assert "softmax = 1 : i64" in rest and f"output_size = {m} : i64" in rest
     # a selection context routes the selection GRN to the reference; the per-variable kernels stay

@@ -267,9 +267,11 @@ def test_kernel_path_lowers_for_cuda(kernels_on, monkeypatch, opt_in):
     fwd, bwd = calls[FWD][0], calls[BWD][0]
     if opt_in:  # the selection GRN: input m d, hidden H, output m, softmax fused; its backward takes d v [R, m]
         Ps = m * d * H + H + H * H + H + 2 * (H * m + m) + m * d * m + m + 2 * m
-        assert (f"(tensor<{Ps}xf32>, tensor<{R}x{m * d}xf32>) -> tensor<{R}x{m}xf32>" in calls[SEL_FWD][0]
-                and "softmax = 1 : i64" in calls[SEL_FWD][0])
-        assert (f"(tensor<{Ps}xf32>, tensor<{R}x{m * d}xf32>, tensor<{R}x{m}xf32>) -> (tensor<{Ps}xf32>, "
+        Ws = 2 * H + 3 * m + 1   # the residuals a row that the selection GRN's forward saves for its backward
+        assert (f"(tensor<{Ps}xf32>, tensor<{R}x{m * d}xf32>) -> (tensor<{R}x{m}xf32>, tensor<{R}x{Ws}xf32>)"
+                in calls[SEL_FWD][0] and "softmax = 1 : i64" in calls[SEL_FWD][0])
+        assert (f"(tensor<{Ps}xf32>, tensor<{R}x{m * d}xf32>, tensor<{R}x{m}xf32>, tensor<{R}x{Ws}xf32>) -> "
+                f"(tensor<{Ps}xf32>, "
                 f"tensor<{R}x{m * d}xf32>" in calls[SEL_BWD][0] and "softmax = 1 : i64" in calls[SEL_BWD][0])
     assert f"(tensor<{m}x{P}xf32>, tensor<{R}x{m}x{d}xf32>) -> tensor<{R}x{m}x{O}xf32>" in fwd
     assert f"hidden_size = {H} : i64" in fwd and f"output_size = {O} : i64" in fwd and "eps = 9.99999974E-6" in fwd
