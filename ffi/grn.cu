@@ -28,11 +28,12 @@
 // the columns l and l + 32 (widths up to 64; the backward's d a loops over column chunks of 64). A row's
 // LayerNorm and softmax are warp reductions. The forward saves each row's e2, e1, g4, g5, zhat and rstd
 // (ResWidth floats) when a backward follows; the backward CTA reads them instead of recomputing the forward
-// (which was a quarter of its instructions, ncu, fifteenth session), loops over `tiles_per_block` row tiles (a function of the shape only, chosen by jaxfox/grn.py), accumulates the
-// parameter gradient in registers (4 x 4 tiles of each dW, up to kWSlots a thread; column sums for the
-// biases, gamma and beta), each element summed over the rows in a fixed order, and writes one partial row
-// [P] per CTA; LaunchReduceAxis0 sums the partials in a fixed order in the same handler. No atomics:
-// bitwise deterministic, and a row's outputs do not depend on the other rows.
+// (which was a quarter of its instructions, ncu, fifteenth session), loops over `tiles_per_block` row tiles (a
+// function of the shape only, chosen by jaxfox/grn.py), accumulates the parameter gradient in registers
+// (4 x 4 tiles of each dW, up to kWSlots a thread; column sums for the biases, gamma and beta), each element
+// summed over the rows in a fixed order, and writes one partial row [P] per CTA; LaunchReduceAxis0 sums the
+// partials in a fixed order in the same handler. No atomics: bitwise deterministic, and a row's outputs do not
+// depend on the other rows.
 #include <algorithm>
 #include <cmath>
 
@@ -52,7 +53,7 @@ constexpr int kWSlots = 6;            // 4 x 4 dW tiles a thread (jaxfox/grn.py 
 constexpr int kBiasSlots = 2;         // bias / gamma / beta columns a thread: 2 H + 5 O <= 448 <= 512
 constexpr int kMats = 5;              // dW2, dW1, dW4, dW5, dWs
 static_assert(kMaxHidden <= kThreads && kMaxOut <= kThreads && kMaxIn <= kThreads,
-              "StageMatrix and LoadA give each thread one column");
+              "StageMatrix and LoadT give each thread one column");
 
 __host__ __device__ inline int Odd(int n) { return n | 1; }  // staged row stride of a [K][n] weight
 
@@ -123,7 +124,7 @@ __device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_all;
 
 // Stages W [K][N] (row-major at src, N <= kThreads) into dst with row stride Odd(N) (asynchronously:
 // CpAsyncWait). A thread copies column n of rows k0, k0 + kThreads / N, ...: one division a matrix, not one
-// an element (ncu, thirteenth session: the per-element divisions were 11 % of the forward's instructions).
+// an element (ncu, fifteenth session: the per-element divisions were 11 % of the forward's instructions).
 __device__ __forceinline__ void StageMatrix(float* dst, const float* __restrict__ src, int K, int N) {
   const int ld = Odd(N), rows = kThreads / N;
   const int k0 = threadIdx.x / N, n = threadIdx.x - k0 * N;
@@ -422,7 +423,7 @@ grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const _
       }
     }
     if (resv != nullptr) SaveResiduals(sm, S, D, row0, r0, lane, t, resv);
-    __syncthreads();  // the next tile's LoadA overwrites a, which this tile's skip path read
+    __syncthreads();  // the next tile's LoadT overwrites a, which this tile's skip path read
   }
 }
 
@@ -436,9 +437,9 @@ struct BiasSlot {
 
 __global__ void __launch_bounds__(kThreads, 1)
 grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const float* __restrict__ g,
-               const float* __restrict__ res, const __grid_constant__ GrnDims D, const __grid_constant__ GrnParamLayout L,
-               const __grid_constant__ SmemLayout S, int tiles_per_block, float* __restrict__ da,
-               float* __restrict__ partial) {
+               const float* __restrict__ res, const __grid_constant__ GrnDims D,
+               const __grid_constant__ GrnParamLayout L, const __grid_constant__ SmemLayout S, int tiles_per_block,
+               float* __restrict__ da, float* __restrict__ partial) {
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int tid = threadIdx.x;
@@ -713,11 +714,11 @@ ffi::Error GrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
 }
 
 // FFI target jaxfox_grn_bwd: (w, a, g [.., R, O] the cotangent of out, res [.., R, W] jaxfox_grn_fwd's
-// residuals) -> dw [.., P], da [.., R, I], and the
-// workspaces partials [.., blocks, P] (blocks = ceil(ceil(R / 32) / tiles_per_block)) and chunk partials
-// [.., chunks * P] (or [.., 0] when chunks == 1).
+// residuals) -> dw [.., P], da [.., R, I], and the workspaces partials [.., blocks, P] (blocks =
+// ceil(ceil(R / 32) / tiles_per_block)) and chunk partials [.., chunks * P] (or [.., 0] when chunks == 1).
 ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> a,
-                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> res, int64_t hidden_size, int64_t output_size, float eps, int64_t softmax,
+                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> res, int64_t hidden_size,
+                      int64_t output_size, float eps, int64_t softmax,
                       int64_t tiles_per_block, int64_t chunks, ffi::ResultBuffer<ffi::F32> dw,
                       ffi::ResultBuffer<ffi::F32> da, ffi::ResultBuffer<ffi::F32> part,
                       ffi::ResultBuffer<ffi::F32> ws) {

@@ -296,7 +296,8 @@ def _bwd_tiling(R):
 
 
 def _res_width(cfg):
-    """ffi/grn.cu ResWidth: the forward's residuals a row, [e2 (H) | e1 (H) | g4 (O) | g5 (O) | zhat (O) | rstd]."""
+    """ffi/grn.cu ResWidth: the forward's residuals a row,
+    [e2 (H) | e1 (H) | g4 (O) | g5 (O) | zhat (O) | rstd]."""
     return 2 * cfg.hidden_size + 3 * cfg.output_size + 1
 
 

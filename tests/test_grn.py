@@ -445,7 +445,7 @@ def test_kernel_path_lowers_for_cuda(kernels_on):
     # inside jax.grad, [R, 0] for the primal call outside it
     W = 2 * H + 3 * O + 1
     fwd_out = f"(tensor<{P}xf32>, tensor<{R}x{I}xf32>) -> (tensor<{R}x{O}xf32>, tensor<{R}x{{}}xf32>)"
-    assert sorted(next(w for w in (0, W) if fwd_out.format(w) in c) for c in calls[GRN_FWD]) == [0, W]
+    assert sorted(w for c in calls[GRN_FWD] for w in (0, W) if fwd_out.format(w) in c) == [0, W]
     fwd, bwd = calls[GRN_FWD][0], calls[GRN_BWD][0]
     assert f"hidden_size = {H} : i64" in fwd and f"output_size = {O} : i64" in fwd and "eps = 9.99999974E-6" in fwd
     assert "softmax = 1 : i64" not in fwd and "softmax = 1 : i64" not in bwd   # a plain GRN: no softmax
