@@ -27,7 +27,7 @@
 // warp w holds rows 4 w .. 4 w + 3 of the tile and reads them with one broadcast float4; lane l computes
 // the columns l and l + 32 (widths up to 64; the backward's d a loops over column chunks of 64). A row's
 // LayerNorm and softmax are warp reductions. The forward saves each row's e2, e1, g4, g5, zhat and rstd
-// (ResWidth floats) when a backward follows; the backward CTA reads them instead of recomputing the forward
+// (ResLayout) when a backward follows; the backward CTA reads them instead of recomputing the forward
 // (which was a quarter of its instructions, ncu, fifteenth session), loops over `tiles_per_block` row tiles (a
 // function of the shape only, chosen by jaxfox/grn.py), accumulates the parameter gradient in registers
 // (4 x 4 tiles of each dW, up to kWSlots a thread; column sums for the biases, gamma and beta), each element
@@ -57,9 +57,13 @@ static_assert(kMaxHidden <= kThreads && kMaxOut <= kThreads && kMaxIn <= kThread
 
 __host__ __device__ inline int Odd(int n) { return n | 1; }  // staged row stride of a [K][n] weight
 
-// The forward's residuals of a row, for the backward (jaxfox/grn.py _res_width mirrors it):
-// [e2 (H) | e1 (H) | g4 (O) | g5 (O) | zhat (O) | rstd (1)].
-__host__ __device__ inline int ResWidth(int H, int O) { return 2 * H + 3 * O + 1; }
+// The forward's residuals of a row, for the backward: [e2 (H) | e1 (H) | g4 (O) | g5 (O) | zhat (O) | rstd (1)]
+// (column offsets; jaxfox/grn.py _res_width mirrors the width).
+struct ResLayout {
+  int e2, e1, g4, g5, zhat, rstd, width;
+  __host__ __device__ ResLayout(int H, int O)
+      : e2(0), e1(H), g4(2 * H), g5(2 * H + O), zhat(2 * H + 2 * O), rstd(2 * H + 3 * O), width(2 * H + 3 * O + 1) {}
+};
 
 // Shared-memory layout (offsets in floats, each a multiple of 4); jaxfox/grn.py _smem_bytes mirrors it.
 struct SmemLayout {
@@ -335,30 +339,30 @@ __device__ __forceinline__ void Output(const float* sm, const SmemLayout& S, con
   }
 }
 
-// Writes the tile's residuals (ResWidth columns a row) to res [R][ResWidth]: e2 and e1 from their k-major
-// arrays, g4, g5, zhat and rstd from the thread's registers (lane l: columns l and l + 32, coalesced).
+// Writes the tile's residuals to res [R][ResLayout width]: e2 and e1 from their k-major arrays, g4, g5, zhat
+// and rstd from the thread's registers (lane l: columns l and l + 32, coalesced).
 __device__ __forceinline__ void SaveResiduals(const float* sm, const SmemLayout& S, const GrnDims& D, int64_t row0,
                                               int r0, int lane, const TileFwd& t, float* __restrict__ res) {
-  const int H = D.H, O = D.O, W = ResWidth(H, O);
+  const ResLayout RL(D.H, D.O);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t row = row0 + r0 + i;
     if (row >= D.R) continue;
-    float* rr = res + row * W;
+    float* rr = res + row * RL.width;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int col = lane + 32 * c;
-      if (col < H) {
-        rr[col] = sm[S.e2 + col * kTRp + r0 + i];
-        rr[H + col] = sm[S.e1 + col * kTRp + r0 + i];
+      if (col < D.H) {
+        rr[RL.e2 + col] = sm[S.e2 + col * kTRp + r0 + i];
+        rr[RL.e1 + col] = sm[S.e1 + col * kTRp + r0 + i];
       }
-      if (col < O) {
-        rr[2 * H + col] = t.g4[i][c];
-        rr[2 * H + O + col] = t.g5[i][c];
-        rr[2 * H + 2 * O + col] = t.zhat[i][c];
+      if (col < D.O) {
+        rr[RL.g4 + col] = t.g4[i][c];
+        rr[RL.g5 + col] = t.g5[i][c];
+        rr[RL.zhat + col] = t.zhat[i][c];
       }
     }
-    if (lane == 0) rr[2 * H + 3 * O] = t.rstd[i];
+    if (lane == 0) rr[RL.rstd] = t.rstd[i];
   }
 }
 
@@ -368,24 +372,24 @@ __device__ __forceinline__ void SaveResiduals(const float* sm, const SmemLayout&
 __device__ __forceinline__ void LoadResidualTile(float* sm, const SmemLayout& S, const float* __restrict__ a,
                                                  const float* __restrict__ res, int64_t row0, const GrnDims& D,
                                                  int r0, int lane, TileFwd& t) {
-  const int H = D.H, O = D.O, W = ResWidth(H, O);
+  const ResLayout RL(D.H, D.O);
   LoadT(sm + S.a, a, D.I, row0, D.R, D.I);
-  LoadT(sm + S.e2, res, W, row0, D.R, H);
-  LoadT(sm + S.e1, res + H, W, row0, D.R, H);
+  LoadT(sm + S.e2, res + RL.e2, RL.width, row0, D.R, D.H);
+  LoadT(sm + S.e1, res + RL.e1, RL.width, row0, D.R, D.H);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t row = row0 + r0 + i;
     const bool ok = row < D.R;
-    const float* rr = res + (ok ? row : 0) * W;
+    const float* rr = res + (ok ? row : 0) * RL.width;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int col = lane + 32 * c;
-      const bool v = ok && col < O;
-      t.g4[i][c] = v ? __ldg(rr + 2 * H + col) : 0.f;
-      t.g5[i][c] = v ? __ldg(rr + 2 * H + O + col) : 0.f;
-      t.zhat[i][c] = v ? __ldg(rr + 2 * H + 2 * O + col) : 0.f;
+      const bool v = ok && col < D.O;
+      t.g4[i][c] = v ? __ldg(rr + RL.g4 + col) : 0.f;
+      t.g5[i][c] = v ? __ldg(rr + RL.g5 + col) : 0.f;
+      t.zhat[i][c] = v ? __ldg(rr + RL.zhat + col) : 0.f;
     }
-    t.rstd[i] = ok ? __ldg(rr + 2 * H + 3 * O) : 0.f;
+    t.rstd[i] = ok ? __ldg(rr + RL.rstd) : 0.f;
   }
   CpAsyncWait();
   __syncthreads();
@@ -403,7 +407,7 @@ grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const _
   const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
   const float* av = a + v * D.R * D.I;
   float* ov = out + v * D.R * D.O;
-  float* resv = res == nullptr ? nullptr : res + v * D.R * ResWidth(D.H, D.O);
+  float* resv = res == nullptr ? nullptr : res + v * D.R * ResLayout(D.H, D.O).width;
   for (int tt = 0; tt < tiles_per_block; ++tt) {
     const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
     if (tile >= tiles) break;
@@ -481,7 +485,7 @@ grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const f
   const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
   const float* av = a + v * D.R * I;
   const float* gv = g + v * D.R * O;
-  const float* resv = res + v * D.R * ResWidth(H, O);
+  const float* resv = res + v * D.R * ResLayout(H, O).width;
   float* dav = da + v * D.R * I;
   for (int tt = 0; tt < tiles_per_block; ++tt) {
     const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + tt;
@@ -684,7 +688,8 @@ ffi::Error CheckGrn(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F32>&
 }
 
 // FFI target jaxfox_grn_fwd: w [.., P], a [.., R, I] -> out [.., R, O]: y, or softmax(y), and res [.., R, W]:
-// the residuals for jaxfox_grn_bwd (W = ResWidth(H, O)), or [.., R, 0] when no backward follows (all float32).
+// the residuals for jaxfox_grn_bwd (W = ResLayout(H, O).width), or [.., R, 0] when no backward follows (all
+// float32).
 ffi::Error GrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> a, int64_t hidden_size,
                       int64_t output_size, float eps, int64_t softmax, ffi::ResultBuffer<ffi::F32> out,
                       ffi::ResultBuffer<ffi::F32> res) {
@@ -695,7 +700,7 @@ ffi::Error GrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
   JAXFOX_RETURN_IF_ERROR(CheckShape(*out, "grn: out", {D.R, D.O}, &D.V));
   const auto rd = res->dimensions();
   const bool save = rd.size() > 0 && rd[rd.size() - 1] != 0;
-  JAXFOX_RETURN_IF_ERROR(CheckShape(*res, "grn: res", {D.R, save ? ResWidth(D.H, D.O) : 0}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*res, "grn: res", {D.R, save ? ResLayout(D.H, D.O).width : 0}, &D.V));
   if (D.V == 0 || D.R == 0) return ffi::Error::Success();
   const SmemLayout S = MakeSmemLayout(D.I, D.H, D.O, D.skip, false);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
@@ -727,7 +732,7 @@ ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
   GrnParamLayout L;
   JAXFOX_RETURN_IF_ERROR(CheckGrn(w, a, hidden_size, output_size, eps, softmax, &D, &L));
   JAXFOX_RETURN_IF_ERROR(CheckShape(g, "grn: g", {D.R, D.O}, &D.V));
-  JAXFOX_RETURN_IF_ERROR(CheckShape(res, "grn: res", {D.R, ResWidth(D.H, D.O)}, &D.V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(res, "grn: res", {D.R, ResLayout(D.H, D.O).width}, &D.V));
   JAXFOX_RETURN_IF_ERROR(CheckShape(*dw, "grn: dw", {L.P}, &D.V));
   JAXFOX_RETURN_IF_ERROR(CheckShape(*da, "grn: da", {D.R, D.I}, &D.V));
   if (tiles_per_block < 1 || tiles_per_block > 0x7fffffff) {
