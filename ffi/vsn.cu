@@ -97,6 +97,14 @@ struct StackDims {
   float eps = 1e-5f;
 };
 
+// The kernels are instantiated for kHO = kMaxWidth (H = O = 32, the main job's VSN: every product width a
+// compile-time constant, so the product loops have no column predicates and constant strides) and for kHO = 0
+// (any widths, read from D at run time).
+template <int kHO>
+__device__ __forceinline__ int Hidden(const StackDims& D) { return kHO ? kHO : D.H; }
+template <int kHO>
+__device__ __forceinline__ int Output(const StackDims& D) { return kHO ? kHO : D.O; }
+
 __device__ __forceinline__ float HalfWarpSum(float v) {  // sum over the 16 lanes of a half warp
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -178,9 +186,10 @@ struct TileFwd {
   float g4[4][2], g5[4][2], zhat[4][2], rstd[4];
 };
 
+template <int kHO>
 __device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, const float* __restrict__ x, int64_t row0,
                                             const StackDims& D, int64_t j, int r0, int cl, TileFwd& t) {
-  const int d = D.d, H = D.H, O = D.O;
+  const int d = D.d, H = Hidden<kHO>(D), O = Output<kHO>(D);
   LoadX(sm + S.x, x, row0, D.R, D.m, j, d);
   __syncthreads();
   float acc[4][2];
@@ -242,6 +251,7 @@ __device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, cons
 
 constexpr int kFwdBlocksPerSm = 3;  // the forward's launch bound
 
+template <int kHO>
 __global__ void __launch_bounds__(kThreads, kFwdBlocksPerSm)
 vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, const __grid_constant__ StackDims D,
                    const __grid_constant__ ParamLayout L, const __grid_constant__ SmemLayout S, int tiles_per_block,
@@ -249,7 +259,7 @@ vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int64_t j = blockIdx.y, v = blockIdx.z;
-  const int d = D.d, H = D.H, O = D.O;
+  const int d = D.d, H = Hidden<kHO>(D), O = Output<kHO>(D);
   const float* wj = w + (v * D.m + j) * D.P;
   StageMatrix(sm + S.w2, wj + L.w2, d, H);
   StageMatrix(sm + S.w1, wj + L.w1, H, H);
@@ -273,7 +283,7 @@ vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
     if (tile >= tiles) break;
     const int64_t row0 = tile * kRowTile;
     TileFwd t;
-    ForwardTile(sm, S, x + v * D.R * D.m * d, row0, D, j, r0, cl, t);
+    ForwardTile<kHO>(sm, S, x + v * D.R * D.m * d, row0, D, j, r0, cl, t);
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int col = cl + 16 * c;
@@ -289,6 +299,7 @@ vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   }
 }
 
+template <int kHO>
 __global__ void __launch_bounds__(kThreads, 2)
 vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, const float* __restrict__ vsel,
                    const float* __restrict__ dout, const __grid_constant__ StackDims D,
@@ -298,7 +309,7 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   float* sm = reinterpret_cast<float*>(smem4);
   const int tid = threadIdx.x;
   const int64_t j = blockIdx.y, v = blockIdx.z;
-  const int d = D.d, H = D.H, O = D.O;
+  const int d = D.d, H = Hidden<kHO>(D), O = Output<kHO>(D);
   const float* wj = w + (v * D.m + j) * D.P;
   StageMatrix(sm + S.w2, wj + L.w2, d, H);
   StageMatrix(sm + S.w1, wj + L.w1, H, H);
@@ -350,7 +361,7 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
     if (tile >= tiles) break;
     const int64_t row0 = tile * kRowTile;
     TileFwd t;
-    ForwardTile(sm, S, xv, row0, D, j, r0, cl, t);
+    ForwardTile<kHO>(sm, S, xv, row0, D, j, r0, cl, t);
 
     // LayerNorm and GLU backward: dz, dg4, dg5 of the thread's 4 rows x 2 columns.
     float dz[4][2], dg4[4][2], dg5[4][2];
@@ -430,28 +441,48 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
     __syncthreads();
 
     // dx = da2 W2^T + (dz Ws^T or dz)
-    InitZero(acc);
-    TileGemm(sm + S.da2, H, sm + S.w2, 1, H + 1, d, r0, cl, acc);
-    if (D.skip) {
-      TileGemm(sm + S.dz, O, sm + S.ws, 1, O + 1, d, r0, cl, acc);
+    if (d <= 4) {
+      // Narrow output (the main job's d = 4): thread (c, r) = (tid / 64, tid % 64) sums row r's column c over
+      // k in the order of the wide product below (the W2 part, then the skip part), so both give the same bits;
+      // the 16-column register tiles of the wide product would leave 3/4 of the lanes idle.
+      const int r = tid & (kRowTile - 1), c = tid >> 6;
+      if (c < d) {
+        float a = 0.f;
+        const float* w2c = sm + S.w2 + c * (H + 1);
+        for (int k = 0; k < H; ++k) a = fmaf(sm[S.da2 + k * kTRp + r], w2c[k], a);
+        if (D.skip) {
+          const float* wsc = sm + S.ws + c * (O + 1);
+          for (int k = 0; k < O; ++k) a = fmaf(sm[S.dz + k * kTRp + r], wsc[k], a);
+        } else {
+          a += sm[S.dz + c * kTRp + r];
+        }
+        const int64_t row = row0 + r;
+        if (row < D.R) dxv[(row * D.m + j) * d + c] = a;
+      }
     } else {
+      InitZero(acc);
+      TileGemm(sm + S.da2, H, sm + S.w2, 1, H + 1, d, r0, cl, acc);
+      if (D.skip) {
+        TileGemm(sm + S.dz, O, sm + S.ws, 1, O + 1, d, r0, cl, acc);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = cl + 16 * c;
+          if (col < d) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i][c] += sm[S.dz + col * kTRp + r0 + i];
+          }
+        }
+      }
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int col = cl + 16 * c;
-        if (col < d) {
+        if (col >= d) continue;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[i][c] += sm[S.dz + col * kTRp + r0 + i];
+        for (int i = 0; i < 4; ++i) {
+          const int64_t row = row0 + r0 + i;
+          if (row < D.R) dxv[(row * D.m + j) * d + col] = acc[i][c];
         }
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int col = cl + 16 * c;
-      if (col >= d) continue;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t row = row0 + r0 + i;
-        if (row < D.R) dxv[(row * D.m + j) * d + col] = acc[i][c];
       }
     }
 
@@ -544,7 +575,8 @@ ffi::Error VsnGrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   if (D.V == 0 || D.R == 0 || D.m == 0) return ffi::Error::Success();
   const SmemLayout S = MakeSmemLayout(D.d, D.H, D.O, D.skip, false);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
-  JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", vsn_grn_fwd_kernel, bytes));
+  const auto kernel = D.H == kMaxWidth && D.O == kMaxWidth ? vsn_grn_fwd_kernel<kMaxWidth> : vsn_grn_fwd_kernel<0>;
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", kernel, bytes));
   // Row tiles per CTA: enough that the grid is about one wave of kFwdBlocksPerSm CTAs an SM, so each CTA
   // stages its variable's weights once for several tiles (a row's result does not depend on the tiling).
   const int64_t tiles = CeilDiv(D.R, kRowTile);
@@ -553,8 +585,8 @@ ffi::Error VsnGrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   const int64_t blocks = CeilDiv(tiles, std::min(per, tiles));
   if (blocks > 0x7fffffff) return InvalidArgument("vsn: too many row tiles");
   dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
-  vsn_grn_fwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), D, L, S,
-                                                        static_cast<int>(CeilDiv(tiles, blocks)), y->typed_data());
+  kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), D, L, S,
+                                            static_cast<int>(CeilDiv(tiles, blocks)), y->typed_data());
   return LastCudaError("vsn_grn_fwd");
 }
 
@@ -598,11 +630,12 @@ ffi::Error VsnGrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   if (blocks > 0x7fffffff) return InvalidArgument("vsn: too many row tiles");
   const SmemLayout S = MakeSmemLayout(D.d, D.H, D.O, D.skip, true);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
-  JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", vsn_grn_bwd_kernel, bytes));
+  const auto kernel = D.H == kMaxWidth && D.O == kMaxWidth ? vsn_grn_bwd_kernel<kMaxWidth> : vsn_grn_bwd_kernel<0>;
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", kernel, bytes));
   dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
-  vsn_grn_bwd_kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), vsel.typed_data(),
-                                                        dout.typed_data(), D, L, S, static_cast<int>(tiles_per_block),
-                                                        dx->typed_data(), dvsel->typed_data(), part->typed_data());
+  kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), vsel.typed_data(), dout.typed_data(), D,
+                                            L, S, static_cast<int>(tiles_per_block), dx->typed_data(),
+                                            dvsel->typed_data(), part->typed_data());
   JAXFOX_RETURN_IF_ERROR(LastCudaError("vsn_grn_bwd"));
   // [V, blocks, m * P] -> [V, m * P]: the CTAs' partials added in reduce.cu's fixed order.
   return LaunchReduceAxis0(stream, part->typed_data(), D.V, blocks, D.m * D.P, chunks,
