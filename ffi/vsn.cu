@@ -104,6 +104,7 @@ template <int kHO>
 __device__ __forceinline__ int Hidden(const StackDims& D) { return kHO ? kHO : D.H; }
 template <int kHO>
 __device__ __forceinline__ int Output(const StackDims& D) { return kHO ? kHO : D.O; }
+inline bool FixedWidths(const StackDims& D) { return D.H == kMaxWidth && D.O == kMaxWidth; }  // kHO = kMaxWidth
 
 __device__ __forceinline__ float HalfWarpSum(float v) {  // sum over the 16 lanes of a half warp
 #pragma unroll
@@ -575,7 +576,7 @@ ffi::Error VsnGrnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   if (D.V == 0 || D.R == 0 || D.m == 0) return ffi::Error::Success();
   const SmemLayout S = MakeSmemLayout(D.d, D.H, D.O, D.skip, false);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
-  const auto kernel = D.H == kMaxWidth && D.O == kMaxWidth ? vsn_grn_fwd_kernel<kMaxWidth> : vsn_grn_fwd_kernel<0>;
+  const auto kernel = FixedWidths(D) ? vsn_grn_fwd_kernel<kMaxWidth> : vsn_grn_fwd_kernel<0>;
   JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", kernel, bytes));
   // Row tiles per CTA: enough that the grid is about one wave of kFwdBlocksPerSm CTAs an SM, so each CTA
   // stages its variable's weights once for several tiles (a row's result does not depend on the tiling).
@@ -630,7 +631,7 @@ ffi::Error VsnGrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buff
   if (blocks > 0x7fffffff) return InvalidArgument("vsn: too many row tiles");
   const SmemLayout S = MakeSmemLayout(D.d, D.H, D.O, D.skip, true);
   const int64_t bytes = static_cast<int64_t>(S.total) * 4;
-  const auto kernel = D.H == kMaxWidth && D.O == kMaxWidth ? vsn_grn_bwd_kernel<kMaxWidth> : vsn_grn_bwd_kernel<0>;
+  const auto kernel = FixedWidths(D) ? vsn_grn_bwd_kernel<kMaxWidth> : vsn_grn_bwd_kernel<0>;
   JAXFOX_RETURN_IF_ERROR(PrepareSmem("vsn", kernel, bytes));
   dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(D.m), static_cast<unsigned>(D.V));
   kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), x.typed_data(), vsel.typed_data(), dout.typed_data(), D,
