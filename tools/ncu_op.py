@@ -7,7 +7,8 @@ profile holds one launch of each of the op's kernels.
     ncu ... -k regex:iqn_head -o iqn python3 tools/ncu_op.py iqn [--B 16384 --N 32 --K 64 --H 128]
     JAXFOX_OPT_IN_KERNELS=grn ncu ... -k regex:grn_ -o grn python3 tools/ncu_op.py grn [--R 2048 --I 192 --H 32 --O 48]
     JAXFOX_OPT_IN_KERNELS=iql ncu ... -k regex:iql_ -o iql python3 tools/ncu_op.py iql [--B 16384 --D 256 --H 128 --G 2]
-    XLA_FLAGS=--xla_gpu_autotune_level=0 ncu ... -k regex:vsn_grn -o vsn python3 tools/ncu_op.py vsn [--R 2048 --M 48 --D 4 --H 32 --O 32]
+    XLA_FLAGS=--xla_gpu_autotune_level=0 ncu ... -k regex:vsn_grn -o vsn \
+        python3 tools/ncu_op.py vsn [--R 2048 --M 48 --D 4 --H 32 --O 32]
 
 (grn defaults: the VSN's selection GRN of the main job, without its softmax; the head GRN is --R 32 --I 64
 --H 32 --O 32. vsn defaults: the main job's VSN, whose m per-variable GRNs are the vsn_grn kernels; without
