@@ -190,6 +190,39 @@ __device__ __forceinline__ void AssignWTiles(int tid, int nmat, const int (&mp)[
   }
 }
 
+// Adds one row tile to the thread's tiles: wacc[s][a][b] += sum_r P^T[k_a][r] Q^T[n_b][r] over the kRows rows of
+// the k-major arrays in sm (row stride kTRp; rows in order, four at a time, so the sum's order is fixed).
+template <int kSlots, int kRows, int kTRp>
+__device__ __forceinline__ void AccumulateWTiles(const float* sm, const WTile (&wt)[kSlots],
+                                                 float (&wacc)[kSlots][4][4]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    if (!wt[s].active) continue;
+    const float* pT = sm + wt[s].p + wt[s].kt * kTRp;
+    const float* qT = sm + wt[s].q + wt[s].nt * kTRp;
+    const int pstep = wt[s].KT * kTRp, qstep = wt[s].NT * kTRp;
+#pragma unroll 2
+    for (int r = 0; r < kRows; r += 4) {
+      float4 pa[4], qb[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) pa[a] = *reinterpret_cast<const float4*>(pT + a * pstep + r);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) qb[b] = *reinterpret_cast<const float4*>(qT + b * qstep + r);
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          float acc = wacc[s][a][b];
+          acc = fmaf(pa[a].x, qb[b].x, acc);
+          acc = fmaf(pa[a].y, qb[b].y, acc);
+          acc = fmaf(pa[a].z, qb[b].z, acc);
+          acc = fmaf(pa[a].w, qb[b].w, acc);
+          wacc[s][a][b] = acc;
+        }
+    }
+  }
+}
+
 // Writes the thread's tiles into the CTA's partial row `out` (every element of a dW by exactly one thread).
 template <int kSlots>
 __device__ __forceinline__ void WriteWTiles(float* out, const WTile (&wt)[kSlots],

@@ -598,32 +598,7 @@ grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ a, const f
     }
 
     // Parameter gradients of the tile's rows (rows >= R have zero Q^T columns).
-#pragma unroll
-    for (int s = 0; s < kWSlots; ++s) {
-      if (!wt[s].active) continue;
-      const float* pT = sm + wt[s].p + wt[s].kt * kTRp;
-      const float* qT = sm + wt[s].q + wt[s].nt * kTRp;
-      const int pstep = wt[s].KT * kTRp, qstep = wt[s].NT * kTRp;
-#pragma unroll 2
-      for (int r = 0; r < kRowTile; r += 4) {
-        float4 pa[4], qb[4];
-#pragma unroll
-        for (int x = 0; x < 4; ++x) pa[x] = *reinterpret_cast<const float4*>(pT + x * pstep + r);
-#pragma unroll
-        for (int y2 = 0; y2 < 4; ++y2) qb[y2] = *reinterpret_cast<const float4*>(qT + y2 * qstep + r);
-#pragma unroll
-        for (int x = 0; x < 4; ++x)
-#pragma unroll
-          for (int y2 = 0; y2 < 4; ++y2) {
-            float acc1 = wacc[s][x][y2];
-            acc1 = fmaf(pa[x].x, qb[y2].x, acc1);
-            acc1 = fmaf(pa[x].y, qb[y2].y, acc1);
-            acc1 = fmaf(pa[x].z, qb[y2].z, acc1);
-            acc1 = fmaf(pa[x].w, qb[y2].w, acc1);
-            wacc[s][x][y2] = acc1;
-          }
-      }
-    }
+    AccumulateWTiles<kWSlots, kRowTile, kTRp>(sm, wt, wacc);
 #pragma unroll
     for (int s = 0; s < kBiasSlots; ++s) {
       if (bs[s].kind == 0) {

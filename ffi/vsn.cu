@@ -124,6 +124,25 @@ __device__ __forceinline__ void StageVector(float* dst, const float* __restrict_
   for (int i = threadIdx.x; i < n; i += kThreads) dst[i] = __ldg(src + i);
 }
 
+// Stages variable j's weights (wj: its row of the flat [m, P] matrix) into the CTA's shared memory.
+__device__ __forceinline__ void StageWeights(float* sm, const SmemLayout& S, const float* __restrict__ wj,
+                                             const ParamLayout& L, int d, int H, int O, bool skip) {
+  StageMatrix(sm + S.w2, wj + L.w2, d, H);
+  StageMatrix(sm + S.w1, wj + L.w1, H, H);
+  StageMatrix(sm + S.w4, wj + L.w4, H, O);
+  StageMatrix(sm + S.w5, wj + L.w5, H, O);
+  if (skip) {
+    StageMatrix(sm + S.ws, wj + L.ws, d, O);
+    StageVector(sm + S.bs, wj + L.bs, O);
+  }
+  StageVector(sm + S.b2, wj + L.b2, H);
+  StageVector(sm + S.b1, wj + L.b1, H);
+  StageVector(sm + S.b4, wj + L.b4, O);
+  StageVector(sm + S.b5, wj + L.b5, O);
+  StageVector(sm + S.gamma, wj + L.gamma, O);
+  StageVector(sm + S.beta, wj + L.beta, O);
+}
+
 // acc[i][c] += sum_{k < K} AT[k][r0 + i] * W[k * ks + col_c * cs], col_0 = cl, col_1 = cl + 16, for the
 // columns < N (the others stay untouched). ks = N + 1, cs = 1 reads W [K][N]; ks = 1, cs = K + 1 reads
 // the transpose of a staged [N][K] matrix.
@@ -181,10 +200,10 @@ __device__ __forceinline__ void LoadX(float* xT, const float* __restrict__ x, in
 }
 
 // The forward of one row tile, up to the LayerNorm: fills S.x, S.e2, S.e1 and returns, for the thread's
-// 4 rows x 2 columns, g4, g5, zhat and rstd. Starts after the weights are staged (its first barrier
+// 4 rows x 2 columns, g4, sigmoid(g5), zhat and rstd. Starts after the weights are staged (its first barrier
 // orders them); the callers' next barrier orders what follows.
 struct TileFwd {
-  float g4[4][2], g5[4][2], zhat[4][2], rstd[4];
+  float g4[4][2], sg5[4][2], zhat[4][2], rstd[4];  // sg5 = sigmoid(g5), once for the forward and the backward
 };
 
 template <int kHO>
@@ -209,11 +228,15 @@ __device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, cons
   StoreTile(sm + S.e1, H, Round4(H), r0, cl, acc);
   __syncthreads();
   InitZero(t.g4);
-  InitZero(t.g5);
+  InitZero(t.sg5);
   TileGemm(sm + S.e1, H, sm + S.w4, O + 1, 1, O, r0, cl, t.g4);
-  TileGemm(sm + S.e1, H, sm + S.w5, O + 1, 1, O, r0, cl, t.g5);
+  TileGemm(sm + S.e1, H, sm + S.w5, O + 1, 1, O, r0, cl, t.sg5);
   AddBias(sm + S.b4, O, cl, t.g4);
-  AddBias(sm + S.b5, O, cl, t.g5);
+  AddBias(sm + S.b5, O, cl, t.sg5);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) t.sg5[i][c] = Sigmoid(t.sg5[i][c]);
   float z[4][2];
   if (D.skip) {
     InitZero(z);
@@ -232,8 +255,8 @@ __device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, cons
   const int lead = (threadIdx.x & 31) & 16;  // lane holding column 0 of this half warp's rows
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float z0 = z[i][0] + t.g4[i][0] * Sigmoid(t.g5[i][0]);
-    const float z1 = z[i][1] + t.g4[i][1] * Sigmoid(t.g5[i][1]);
+    const float z0 = z[i][0] + t.g4[i][0] * t.sg5[i][0];
+    const float z1 = z[i][1] + t.g4[i][1] * t.sg5[i][1];
     const float x0 = __shfl_sync(0xffffffffu, z0, lead);
     float d0 = v0 ? z0 - x0 : 0.f, d1 = v1 ? z1 - x0 : 0.f;
     const float mean = HalfWarpSum(d0 + d1) * inv_o;
@@ -262,20 +285,7 @@ vsn_grn_fwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   const int64_t j = blockIdx.y, v = blockIdx.z;
   const int d = D.d, H = Hidden<kHO>(D), O = Output<kHO>(D);
   const float* wj = w + (v * D.m + j) * D.P;
-  StageMatrix(sm + S.w2, wj + L.w2, d, H);
-  StageMatrix(sm + S.w1, wj + L.w1, H, H);
-  StageMatrix(sm + S.w4, wj + L.w4, H, O);
-  StageMatrix(sm + S.w5, wj + L.w5, H, O);
-  if (D.skip) {
-    StageMatrix(sm + S.ws, wj + L.ws, d, O);
-    StageVector(sm + S.bs, wj + L.bs, O);
-  }
-  StageVector(sm + S.b2, wj + L.b2, H);
-  StageVector(sm + S.b1, wj + L.b1, H);
-  StageVector(sm + S.b4, wj + L.b4, O);
-  StageVector(sm + S.b5, wj + L.b5, O);
-  StageVector(sm + S.gamma, wj + L.gamma, O);
-  StageVector(sm + S.beta, wj + L.beta, O);
+  StageWeights(sm, S, wj, L, d, H, O, D.skip);
   const int rg = threadIdx.x >> 4, cl = threadIdx.x & 15, r0 = 4 * rg;
   const int64_t tiles = (D.R + kRowTile - 1) / kRowTile;
   float* yv = y + v * D.R * D.m * O;
@@ -312,20 +322,7 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
   const int64_t j = blockIdx.y, v = blockIdx.z;
   const int d = D.d, H = Hidden<kHO>(D), O = Output<kHO>(D);
   const float* wj = w + (v * D.m + j) * D.P;
-  StageMatrix(sm + S.w2, wj + L.w2, d, H);
-  StageMatrix(sm + S.w1, wj + L.w1, H, H);
-  StageMatrix(sm + S.w4, wj + L.w4, H, O);
-  StageMatrix(sm + S.w5, wj + L.w5, H, O);
-  if (D.skip) {
-    StageMatrix(sm + S.ws, wj + L.ws, d, O);
-    StageVector(sm + S.bs, wj + L.bs, O);
-  }
-  StageVector(sm + S.b2, wj + L.b2, H);
-  StageVector(sm + S.b1, wj + L.b1, H);
-  StageVector(sm + S.b4, wj + L.b4, O);
-  StageVector(sm + S.b5, wj + L.b5, O);
-  StageVector(sm + S.gamma, wj + L.gamma, O);
-  StageVector(sm + S.beta, wj + L.beta, O);
+  StageWeights(sm, S, wj, L, d, H, O, D.skip);
 
   // The thread's parameter-gradient work, fixed for the CTA: up to kTilesPerThread dW tiles, one bias
   // element (column sum of a Q^T array) and one of dgamma / dbeta.
@@ -391,7 +388,7 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
       for (int c = 0; c < 2; ++c) {
         const int col = cl + 16 * c;
         dz[i][c] = col < O ? t.rstd[i] * (gy[c] - mg - t.zhat[i][c] * mgz) : 0.f;
-        const float sg = Sigmoid(t.g5[i][c]);
+        const float sg = t.sg5[i][c];
         dg4[i][c] = dz[i][c] * sg;
         dg5[i][c] = dz[i][c] * t.g4[i][c] * sg * (1.f - sg);
       }
@@ -488,32 +485,7 @@ vsn_grn_bwd_kernel(const float* __restrict__ w, const float* __restrict__ x, con
     }
 
     // Parameter gradients of the tile's rows (rows >= R have zero Q^T columns).
-#pragma unroll
-    for (int s = 0; s < kTilesPerThread; ++s) {
-      if (!wt[s].active) continue;
-      const float* pT = sm + wt[s].p + wt[s].kt * kTRp;
-      const float* qT = sm + wt[s].q + wt[s].nt * kTRp;
-      const int pstep = wt[s].KT * kTRp, qstep = wt[s].NT * kTRp;
-#pragma unroll 2
-      for (int r = 0; r < kRowTile; r += 4) {
-        float4 pa[4], qb[4];
-#pragma unroll
-        for (int a = 0; a < 4; ++a) pa[a] = *reinterpret_cast<const float4*>(pT + a * pstep + r);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) qb[b] = *reinterpret_cast<const float4*>(qT + b * qstep + r);
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            float acc1 = wacc[s][a][b];
-            acc1 = fmaf(pa[a].x, qb[b].x, acc1);
-            acc1 = fmaf(pa[a].y, qb[b].y, acc1);
-            acc1 = fmaf(pa[a].z, qb[b].z, acc1);
-            acc1 = fmaf(pa[a].w, qb[b].w, acc1);
-            wacc[s][a][b] = acc1;
-          }
-      }
-    }
+    AccumulateWTiles<kTilesPerThread, kRowTile, kTRp>(sm, wt, wacc);
     if (bias_q >= 0) {
       float s = 0.f;
       for (int r = 0; r < kRowTile; r += 4) {
