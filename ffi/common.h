@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -75,6 +76,18 @@ inline ffi::Error CheckShape(const Buffer& buf, const char* name, std::initializ
   return ffi::Error::Success();
 }
 
+// True when `buf`'s shape is exactly `want` (rank and every dim; no leading vmap dims).
+template <typename Buffer>
+inline bool HasShape(const Buffer& buf, std::initializer_list<int64_t> want) {
+  auto dims = buf.dimensions();
+  if (dims.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t v : want) {
+    if (dims[i++] != v) return false;
+  }
+  return true;
+}
+
 struct DeviceInfo {
   int sm_count = 0;
   int cc_major = 0;
@@ -125,6 +138,30 @@ __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)
 
 // ReLU that keeps NaN (as XLA's max(x, 0) does): fmaxf(x, 0) would return 0 for a NaN and hide it.
 __device__ __forceinline__ float Relu(float x) { return x < 0.f ? 0.f : x; }
+
+// Asynchronous global -> shared copies (cp.async, sm_80+): a thread issues all of its copies without waiting on
+// each load (a load-then-store loop waits one memory latency per element). valid false writes zeros and reads
+// nothing. 4-byte copies go through L1 (.ca), 16-byte ones bypass it (.cg; dst and src 16-byte aligned). Wait
+// (CpAsyncWaitAll, or CpAsyncCommit + CpAsyncWaitGroup<N> to leave the N newest groups in flight), then a
+// barrier, before another thread reads dst.
+__device__ __forceinline__ void CpAsync4(float* dst, const float* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsync16(float* dst, const float* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void CpAsyncWaitGroup() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 __host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
 

@@ -115,19 +115,8 @@ struct GrnDims {
   float eps = 1e-5f;
 };
 
-// Asynchronous 4-byte global -> shared copies (cp.async, sm_80+): a thread issues all of its copies without
-// waiting on each load (a load-then-store loop waits one memory latency per element: 80 of them a thread for
-// the VSN's selection GRN). src_valid false writes 0 and reads nothing. CpAsyncWait, then a barrier, before use.
-__device__ __forceinline__ void CpAsync4(float* dst, const float* src, bool src_valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_valid ? 4 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // Stages W [K][N] (row-major at src, N <= kThreads) into dst with row stride Odd(N) (asynchronously:
-// CpAsyncWait). A thread copies column n of rows k0, k0 + kThreads / N, ...: one division a matrix, not one
+// CpAsyncWaitAll). A thread copies column n of rows k0, k0 + kThreads / N, ...: one division a matrix, not one
 // an element (ncu, fifteenth session: the per-element divisions were 11 % of the forward's instructions).
 __device__ __forceinline__ void StageMatrix(float* dst, const float* __restrict__ src, int K, int N) {
   const int ld = Odd(N), rows = kThreads / N;
@@ -232,7 +221,7 @@ __device__ __forceinline__ void StoreTile(float* AT, int N, int r0, int lane, co
 }
 
 // Loads columns [0, K) of rows [row0, row0 + 32) of a row-major [R][ld] array into dstT[k][r] (zeros for rows
-// >= R and k >= K), asynchronously (CpAsyncWait): the tile's a (ld = K = I), or e2 / e1 from the residuals.
+// >= R and k >= K), asynchronously (CpAsyncWaitAll): the tile's a (ld = K = I), or e2 / e1 from the residuals.
 // A thread copies column k of rows r0, r0 + kThreads / Round4(K), ... (Round4(K) <= kThreads).
 __device__ __forceinline__ void LoadT(float* dstT, const float* __restrict__ src, int ld, int64_t row0, int64_t R,
                                       int K) {
@@ -257,7 +246,7 @@ __device__ __forceinline__ void ForwardTile(float* sm, const SmemLayout& S, cons
                                             int64_t row0, const GrnDims& D, int r0, int lane, TileFwd& t) {
   const int I = D.I, H = D.H, O = D.O;
   LoadT(sm + S.a, a, I, row0, D.R, I);
-  CpAsyncWait();     // this thread's copies (the tile's a, and the weights staged before the first tile)
+  CpAsyncWaitAll();  // this thread's copies (the tile's a, and the weights staged before the first tile)
   __syncthreads();   // everyone's
   float acc[4][2];
   InitZero(acc);
@@ -391,7 +380,7 @@ __device__ __forceinline__ void LoadResidualTile(float* sm, const SmemLayout& S,
     }
     t.rstd[i] = ok ? __ldg(rr + RL.rstd) : 0.f;
   }
-  CpAsyncWait();
+  CpAsyncWaitAll();
   __syncthreads();
 }
 

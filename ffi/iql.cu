@@ -58,15 +58,6 @@ struct Layout {
   static_assert(kX % 4 == 0 && kDh % 4 == 0 && kB1 % 4 == 0, "regions must be 16-byte aligned");
 };
 
-__device__ __forceinline__ void CpAsync16(float* dst, const float* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWaitGroup() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // Rows [row0, row0 + kRows) of obs [B, D] into dst [kRows][kLX] (zeros for rows >= B), asynchronously.
 template <int D, int H>
 __device__ __forceinline__ void LoadX(float* dst, const float* __restrict__ obs, int64_t row0, int64_t B) {
@@ -280,17 +271,6 @@ ffi::Error ByShape(int64_t D, int64_t H, F&& f) {
                          " (kernels: 64, 128, 256)");
 }
 
-template <typename Buf>
-bool Is(const Buf& buf, std::initializer_list<int64_t> want) {
-  auto dims = buf.dimensions();
-  if (dims.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t v : want) {
-    if (dims[i++] != v) return false;
-  }
-  return true;
-}
-
 // FFI target jaxfox_iql_value_loss: (obs [B, D], target [B], w1 [G, D, H], b1 [G, H], w2 [G, H], b2 [G],
 // taus [G]) -> grads [G, P] (each network's reduced partial row, P = D H + 2 H + 4), dy [G, B], and the
 // workspaces partials [S, G, P] and chunk partials [chunks * G * P] (or [0]); the loss is at D H + 2 H + 1; attrs inv_batch = 1 / B, and
@@ -313,18 +293,18 @@ ffi::Error IqlValueLossImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi:
     auto wrong = [](const char* what, const auto& buf) {
       return InvalidArgument(std::string("iql_value_loss: ") + what + ", got " + DimsToString(buf.dimensions()));
     };
-    if (!Is(w1, {G, kD, kH})) return wrong("w1 must be [G, D, H]", w1);
-    if (!Is(target, {B})) return wrong("target must be [B]", target);
-    if (!Is(b1, {G, kH})) return wrong("b1 must be [G, H]", b1);
-    if (!Is(w2, {G, kH})) return wrong("w2 must be [G, H]", w2);
-    if (!Is(b2, {G})) return wrong("b2 must be [G]", b2);
-    if (!Is(taus, {G})) return wrong("taus must be [G]", taus);
-    if (!Is(*grads, {G, S::kP})) return wrong("grads must be [G, D H + 2 H + 4]", *grads);
-    if (!Is(*dy, {G, B})) return wrong("dy must be [G, B]", *dy);
+    if (!HasShape(w1, {G, kD, kH})) return wrong("w1 must be [G, D, H]", w1);
+    if (!HasShape(target, {B})) return wrong("target must be [B]", target);
+    if (!HasShape(b1, {G, kH})) return wrong("b1 must be [G, H]", b1);
+    if (!HasShape(w2, {G, kH})) return wrong("w2 must be [G, H]", w2);
+    if (!HasShape(b2, {G})) return wrong("b2 must be [G]", b2);
+    if (!HasShape(taus, {G})) return wrong("taus must be [G]", taus);
+    if (!HasShape(*grads, {G, S::kP})) return wrong("grads must be [G, D H + 2 H + 4]", *grads);
+    if (!HasShape(*dy, {G, B})) return wrong("dy must be [G, B]", *dy);
     if (G < 1 || G > 65535) return InvalidArgument("iql_value_loss: G must be in [1, 65535]");
     if (B < 1 || B > 0x7fffffff - kRows) return InvalidArgument("iql_value_loss: B must be in [1, 2^31 - 33]");
     const int64_t tiles = CeilDiv(B, kRows);
-    if (part->dimensions().size() != 3 || !Is(*part, {part->dimensions()[0], G, S::kP})) {
+    if (part->dimensions().size() != 3 || !HasShape(*part, {part->dimensions()[0], G, S::kP})) {
       return wrong("partials workspace must be [S, G, P]", *part);
     }
     const int64_t splits = part->dimensions()[0];

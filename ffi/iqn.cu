@@ -405,7 +405,6 @@ ffi::Error CheckInputs(const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-
 // FFI target jaxfox_iqn_head_fwd: (w [P], psi [B, H], taus [B, N]) -> z [B, N].
 ffi::Error IqnHeadFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> psi,
                           ffi::Buffer<ffi::F32> taus, int64_t n_cos, int64_t hidden, int64_t n_quantiles,
@@ -444,23 +443,14 @@ ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
     using S = Layout<K, H, true>;
     Dims d;
     JAXFOX_RETURN_IF_ERROR(CheckInputs(w, psi, taus, n_cos, hidden, n_quantiles, S::kPpad, &d));
-    auto same = [](const auto& buf, std::initializer_list<int64_t> want) {
-      auto dims = buf.dimensions();
-      if (dims.size() != want.size()) return false;
-      size_t i = 0;
-      for (int64_t v : want) {
-        if (dims[i++] != v) return false;
-      }
-      return true;
-    };
     auto wrong = [](const char* what, const auto& buf) {
       return InvalidArgument(std::string("iqn_head: ") + what + ", got " + DimsToString(buf.dimensions()));
     };
-    if (!same(dz, {d.B, d.N})) return wrong("dz must be [B, N]", dz);
-    if (!same(*dw, {S::kPpad})) return wrong("dw must be [P]", *dw);
-    if (!same(*dpsi, {d.B, H})) return wrong("dpsi must be [B, H]", *dpsi);
-    const bool want_taus = !same(*dtaus, {0});
-    if (want_taus && !same(*dtaus, {d.B, d.N})) {
+    if (!HasShape(dz, {d.B, d.N})) return wrong("dz must be [B, N]", dz);
+    if (!HasShape(*dw, {S::kPpad})) return wrong("dw must be [P]", *dw);
+    if (!HasShape(*dpsi, {d.B, H})) return wrong("dpsi must be [B, H]", *dpsi);
+    const bool want_taus = !HasShape(*dtaus, {0});
+    if (want_taus && !HasShape(*dtaus, {d.B, d.N})) {
       return InvalidArgument("iqn_head: dtaus must be [B, N] or [0], got " + DimsToString(dtaus->dimensions()));
     }
     if (d.B == 0) {
@@ -471,7 +461,7 @@ ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
       return InvalidArgument("iqn_head: grid must be in [1, min(tiles = " + std::to_string(d.tiles) +
                              ", 65535)], got " + std::to_string(grid));
     }
-    if (!same(*part, {grid, S::kPpad})) {
+    if (!HasShape(*part, {grid, S::kPpad})) {
       return InvalidArgument("iqn_head: partials workspace must be [grid, P], got " + DimsToString(part->dimensions()));
     }
     if (chunks < 1 || chunks > grid) return InvalidArgument("iqn_head: chunks must be in [1, grid]");
