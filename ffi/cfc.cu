@@ -992,7 +992,8 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
 
 // ---------------------------------------------------------------------------------------------
 // Per-sample weight gradient: partials[sb, out_off + k * N + n] = sum_t A(t, k) * D(t, n) for
-// k in [0, K] where row K is the bias (A = 1), t summed in increasing order in chunks of 16.
+// k in [0, K), and row K the bias gradient sum_t D(t, n) (summed by the first k-tile's top threads, so
+// the bias adds no k-tile: K = 128 took 3 tiles of 64 with one), t summed in increasing order in chunks of 16.
 struct GradGemm {
   int K, N;
   int a_layer;      // -1: A = z_t = [x_t, h_{t-1}]; else acts of that layer
@@ -1013,7 +1014,8 @@ cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const floa
   const int k_base = (blockIdx.y / ntn) * kTile, n_base = (blockIdx.y % ntn) * kTile;
   const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
   const int T = int(d.T), I = d.I, H = d.H;
-  float acc[4][4] = {};
+  float acc[4][4] = {}, bacc[4] = {};
+  const bool bias = k_base == 0 && ty == 0;
   for (int t0 = 0; t0 < T; t0 += kTT) {
 #pragma unroll
     for (int r = 0; r < (kTT * kTile) / 256; ++r) {
@@ -1028,8 +1030,6 @@ cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const floa
           } else {
             a = acts[row * d.L * d.U + g.a_layer * d.U + k];
           }
-        } else if (k == g.K) {
-          a = 1.f;
         }
         if (n < g.N) dv = dsrc[row * g.d_ld + g.d_off + n];
       }
@@ -1046,6 +1046,10 @@ cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const floa
       for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int jn = 0; jn < 4; ++jn) acc[i][jn] = fmaf(av[i], dv[jn], acc[i][jn]);
+      if (bias) {
+#pragma unroll
+        for (int jn = 0; jn < 4; ++jn) bacc[jn] += dv[jn];
+      }
     }
     __syncthreads();
   }
@@ -1053,11 +1057,18 @@ cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const floa
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int k = k_base + ty * 4 + i;
-    if (k > g.K) continue;
+    if (k >= g.K) continue;
 #pragma unroll
     for (int jn = 0; jn < 4; ++jn) {
       const int n = n_base + tx * 4 + jn;
       if (n < g.N) out[int64_t(k) * g.N + n] = acc[i][jn];
+    }
+  }
+  if (bias) {
+#pragma unroll
+    for (int jn = 0; jn < 4; ++jn) {
+      const int n = n_base + tx * 4 + jn;
+      if (n < g.N) out[int64_t(g.K) * g.N + n] = bacc[jn];
     }
   }
 }
@@ -1315,7 +1326,7 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   GradGemm wg[kMaxLayers + 1];
   for (int l = 0; l < d.L; ++l) wg[l] = GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l]};
   wg[d.L] = GradGemm{d.Kh, d.NH, d.L - 1, d.NH, 0, d.off_hw};
-  auto wgrad_tiles = [](const GradGemm& g) { return CeilDiv(g.K + 1, kTile) * CeilDiv(g.N, kTile); };
+  auto wgrad_tiles = [](const GradGemm& g) { return CeilDiv(g.K, kTile) * CeilDiv(g.N, kTile); };
   for (int l = 0; l <= d.L; ++l) {
     if (wgrad_tiles(wg[l]) > 65535) {
       return InvalidArgument("cfc_bwd: weight matrix " + std::to_string(wg[l].K) + " x " + std::to_string(wg[l].N) +
