@@ -48,6 +48,9 @@ struct CfcDims {
   // thread holds its slice of the weights in registers; an output's Sb (backbone) or Sh (heads) k-splits
   // sit in adjacent lanes, kcb / kch inputs each (multiples of 4), and are summed with warp shuffles.
   int reg_f, Sb, kcb, Sh, kch, zld, ald;
+  // Split layout of the vectors the register kernels read (SplitStride): z is read in splits of zkc floats
+  // placed zs apart, act (the backbone output) in splits of kch placed as_ apart.
+  int zkc, zs, as_;
   int64_t B, T, V;           // samples per instance, steps, vmapped instances
   __host__ __device__ int Kl(int l) const { return l == 0 ? K0 : U; }
 };
@@ -535,27 +538,42 @@ __host__ __device__ inline int FloorPow2(int n) {
   return p;
 }
 
-// Fills the register forward's lane layout; false when the sizes need more than its register budget.
+// The register kernels read a vector in S splits of kc floats (kc a multiple of 4), one float4 at a time,
+// the lanes of a quarter-warp reading up to 8 different splits at once. Split s starts at s * stride, with the
+// stride an odd number of float4s, so those 8 float4s lie in 8 different groups of 4 banks (kc = 24 or 64
+// unpadded put two splits in one group: twice the shared-memory wavefronts, ncu on the H200).
+__host__ __device__ inline int SplitStride(int kc) { return (kc / 4) % 2 ? kc : kc + 4; }
+// Position of element k of such a vector.
+__host__ __device__ inline int SplitPos(int k, int kc, int stride) { return k + (k / kc) * (stride - kc); }
+
+// Number of k-splits of a register product with `outputs` outputs of K inputs: a power of 2 <= group_max
+// (its lanes are adjacent, summed by xor shuffles) with outputs * S <= kNT and no split shorter than 4.
+inline int RegSplits(int outputs, int K, int group_max) {
+  int S = FloorPow2(std::max(1, kNT / std::max(1, outputs)));
+  S = std::min(S, group_max);
+  S = std::min(S, FloorPow2(std::max(1, (K + 3) / 4)));
+  return S;
+}
+
+// Fills the register forward's lane layout; false when the sizes need more than its register budget. (CTAs
+// of 512 threads holding half the weights each measured slower: 877 against 704 us at the bench shape.)
 bool RegForwardPlan(CfcDims* d) {
   if (d->L > 1) return false;
-  auto splits = [](int outputs, int K, int group_max) {  // power of 2 <= group_max, outputs * S <= kNT
-    int S = FloorPow2(std::max(1, kNT / std::max(1, outputs)));
-    S = std::min(S, group_max);
-    S = std::min(S, FloorPow2(std::max(1, (K + 3) / 4)));
-    return S;
-  };
   if (d->L == 1) {
-    d->Sb = splits(d->Uc, d->K0, 32);
+    d->Sb = RegSplits(d->Uc, d->K0, 32);
     d->kcb = Align4(int(CeilDiv(d->K0, d->Sb)));
     if (d->kcb > kRegB || d->Uc * d->Sb > kNT) return false;
   } else {
     d->Sb = 1; d->kcb = 0;
   }
-  d->Sh = splits(d->nh * d->Hc, d->Kh, 32 / d->nh);
+  d->Sh = RegSplits(d->nh * d->Hc, d->Kh, 32 / d->nh);
   d->kch = Align4(int(CeilDiv(d->Kh, d->Sh)));
   if (d->kch > kRegH || d->nh * d->Hc * d->Sh > kNT) return false;
-  d->zld = Align4(d->K0);
-  d->ald = Align4(std::max(d->U, 1));
+  d->zkc = d->L > 0 ? d->kcb : d->kch;
+  d->zs = SplitStride(d->zkc);
+  d->zld = int(CeilDiv(d->K0, d->zkc)) * d->zs;
+  d->as_ = SplitStride(d->kch);
+  d->ald = d->L > 0 ? int(CeilDiv(d->U, d->kch)) * d->as_ : 0;
   return true;
 }
 
@@ -609,12 +627,13 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   for (int i = tid; i < 2 * d.zld; i += kNT) z[i] = 0.f;
   if (L > 0) for (int i = tid; i < 2 * d.ald; i += kNT) act[i] = 0.f;
   __syncthreads();
-  for (int j = tid; j < H; j += kNT) z[I + j] = h0[sb * H + j];
+  for (int j = tid; j < H; j += kNT) z[SplitPos(I + j, d.zkc, d.zs)] = h0[sb * H + j];
 
-  // This thread's backbone item (output ob, inputs kb0 .. kb0 + nb) and head item (head q of unit jj).
+  // This thread's backbone item (output ob, inputs kb0 .. kb0 + nb) and head item (head q of unit jj); the
+  // splits start at pb0 / ph0 in the split layouts of z and of the heads' input.
   const int ob = tid / d.Sb, spb = tid - ob * d.Sb;
   const bool has_b = L > 0 && ob < s.Uce;
-  const int kb0 = spb * d.kcb, nb = has_b ? max(0, min(d.kcb, d.K0 - kb0)) : 0;
+  const int kb0 = spb * d.kcb, nb = has_b ? max(0, min(d.kcb, d.K0 - kb0)) : 0, pb0 = spb * d.zs;
   float wb[kRegB];
 #pragma unroll
   for (int k = 0; k < kRegB; ++k) wb[k] = k < nb ? w[d.off_w[0] + int64_t(kb0 + k) * U + s.u0 + ob] : 0.f;
@@ -622,6 +641,11 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   const int gh = nh * d.Sh, jj = tid / gh, q = (tid - jj * gh) / d.Sh, sph = tid - jj * gh - q * d.Sh;
   const bool has_h = jj < Hce;
   const int kh0 = sph * d.kch, nhk = has_h ? max(0, min(d.kch, d.Kh - kh0)) : 0;
+  const int ph0 = sph * (L > 0 ? d.as_ : d.zs);
+  // Where this thread's stores land in the split layouts: its input x_tid, backbone output and hidden unit.
+  const int px = SplitPos(tid, d.zkc, d.zs);
+  const int pa = L > 0 ? SplitPos(s.u0 + ob, d.kch, d.as_) : 0;
+  const int pz = SplitPos(I + s.j0 + jj, d.zkc, d.zs);
   float wh[kRegH];
 #pragma unroll
   for (int k = 0; k < kRegH; ++k)
@@ -679,8 +703,8 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     float* zt = z + par * d.zld;
     const int zn_off = lay.z + (par ^ 1) * d.zld;
     const float tst = tsnext;
-    if (tid < I) zt[tid] = xnext;
-    for (int i = tid + kNT; i < I; i += kNT) zt[i] = xrow[t * I + i];  // inputs past the first kNT (no prefetch)
+    if (tid < I) zt[px] = xnext;
+    for (int i = tid + kNT; i < I; i += kNT) zt[SplitPos(i, d.zkc, d.zs)] = xrow[t * I + i];  // past the first kNT
     if (t + 1 < T) {
       if (tid < I) xnext = xrow[(t + 1) * I + tid];
       tsnext = ts[sb * T + t + 1];
@@ -690,17 +714,17 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     const int64_t row = sb * T + t;
     const float* hin = zt;
     if (L > 0) {
-      const float p = GroupSum(RegDot(zt + kb0, wb, nb), d.Sb);
+      const float p = GroupSum(RegDot(zt + pb0, wb, nb), d.Sb);
       if (has_b && spb == 0) {
         const float a = LecunTanh(p + bias_b);
-        broadcast(lay.act + par * d.ald + s.u0 + ob, a, 0, t);
+        broadcast(lay.act + par * d.ald + pa, a, 0, t);
         acts[row * U + s.u0 + ob] = a;
       }
       wait(0, t);
       if constexpr (C == 1) __syncthreads();
       hin = act + par * d.ald;
     }
-    const float hv = GroupSum(RegDot(hin + kh0, wh, nhk), d.Sh) + bias_h;
+    const float hv = GroupSum(RegDot(hin + ph0, wh, nhk), d.Sh) + bias_h;
     if (has_h && sph == 0) pre[row * d.NH + q * H + s.j0 + jj] = hv;
     const float v0 = __shfl_sync(0xffffffffu, hv, gbase);
     const float v1 = __shfl_sync(0xffffffffu, hv, gbase + (nh > 1 ? d.Sh : 0));
@@ -716,7 +740,7 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
         h = d.mode == kNoGate ? f1 + g * f2 : f1 * (1.f - g) + g * f2;
       }
       hs[row * H + s.j0 + jj] = h;
-      if (t + 1 < T) broadcast(zn_off + I + s.j0 + jj, h, L, t);
+      if (t + 1 < T) broadcast(zn_off + pz, h, L, t);
     }
   }
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
@@ -990,6 +1014,7 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
 
+// ---------------------------------------------------------------------------------------------
 // ---------------------------------------------------------------------------------------------
 // Per-sample weight gradient: partials[sb, out_off + k * N + n] = sum_t A(t, k) * D(t, n) for
 // k in [0, K), and row K the bias gradient sum_t D(t, n) (summed by the first k-tile's top threads, so
