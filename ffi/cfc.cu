@@ -17,8 +17,11 @@
 // H=U=128 on the H200).
 //
 // Backward: one reverse-time launch computes input gradients and the pre-activation gradients of
-// every step (workspace outputs); a tiled kernel then forms each sample's parameter-gradient
-// partial sum_t input_t^T dpre_t (fixed t order) into [B, P], and reduce_axis0 sums those over B.
+// every step (workspace outputs): cfc_bwd_reg_kernel (one backbone layer, when RegBackwardPlan fits:
+// weights in registers, slices all-gathered; 1.744 against 1.895 ms fwd+bwd at the bench shape, and
+// the main job's training step 582 against 654 us, on the H200) or cfc_bwd_kernel (any depth). A tiled
+// kernel then forms each sample's parameter-gradient partial sum_t input_t^T dpre_t (fixed t order)
+// into [B, P], and reduce_axis0 sums those over B.
 #include <cooperative_groups.h>
 
 #include <cstdlib>
@@ -51,6 +54,10 @@ struct CfcDims {
   // Split layout of the vectors the register kernels read (SplitStride): z is read in splits of zkc floats
   // placed zs apart, act (the backbone output) in splits of kch placed as_ apart.
   int zkc, zs, as_;
+  // Register backward (reg_b = 1: it runs; RegBackwardPlan fills the rest): the heads' transposed product
+  // has U outputs (this CTA's Uc) in S1 splits of k1 inputs (over NH), the backbone's has Ic + Hc outputs
+  // (this CTA's inputs, then its hidden units) in S2 splits of k2 (over U); s1 / s2 their split strides.
+  int reg_b, S1, k1, s1, S2, k2, s2, ph_ld, pb_ld, ts_ld;
   int64_t B, T, V;           // samples per instance, steps, vmapped instances
   __host__ __device__ int Kl(int l) const { return l == 0 ? K0 : U; }
 };
@@ -199,6 +206,18 @@ __device__ __forceinline__ void StAsync(uint32_t raddr, float v, uint32_t rbar) 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(raddr),
                "r"(__float_as_uint(v)), "r"(rbar)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// The same for 16 bytes (raddr 16-byte aligned).
+__device__ __forceinline__ void StAsync4(uint32_t raddr, float4 v, uint32_t rbar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(raddr),
+               "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)), "r"(__float_as_uint(v.w)),
+               "r"(rbar)
                : "memory");
 #else
   __trap();
@@ -1015,6 +1034,272 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
 }
 
 // ---------------------------------------------------------------------------------------------
+// Register backward (one backbone layer, used when RegBackwardPlan fits and every CTA of the cluster owns
+// hidden and backbone units): the same outputs as cfc_bwd_kernel, computed as the register forward computes
+// the forward. Each CTA produces whole outputs of its own slices, so its products need the whole input
+// vectors, which the CTAs all-gather (every CTA sends its slice to every CTA, itself included) instead of
+// reduce-scattering partial sums; the weights of both transposed products stay in registers for the scan:
+//   (a) hidden unit j (thread (Ic + jj) * S2 of its owner): dh = dhs_t + dh_carry and the heads' nh
+//       pre-activation gradients, all-gathered (exchange kind 0) unit-major (entry j nh + q, so a unit's
+//       four values travel as one 16-byte store), and its dts term, sent to rank 0 alone. The unit's
+//       nonlinearities do not depend on dh: they are computed a step ahead (UnitCoef), off the chain;
+//   (b) backbone unit u (lanes u * S1 ..): dpb[u] = lecun'(act) * sum_n W_heads[u, col(n)] dph[n] over all
+//       NH entries, all-gathered (exchange kind 1);
+//   (c) input row k of the CTA's inputs and hidden units: sum_u W_1[k, u] dpb[u], which is dx_t or the
+//       next (earlier) step's dh_carry, landing in the lane that owns the unit in (a).
+// dts_t = sum_j of the units' dts terms, summed by one warp of rank 0 in a fixed order. The k-splits of an
+// output sit in adjacent lanes and are summed with xor shuffles (a fixed tree), so every sum has a fixed
+// order and a sample's results do not depend on the batch. One block barrier a step bounds how far the
+// warps of a CTA drift apart, so no buffer of step n is overwritten (at step n + 2) while still read.
+constexpr int kRegB1 = 64, kRegB2 = 32;
+
+bool RegBackwardPlan(CfcDims* d) {
+  if (d->L != 1) return false;
+  // Every CTA must send in both exchanges of every step (that keeps the cluster in lockstep).
+  if ((d->C - 1) * d->Hc >= d->H || (d->C - 1) * d->Uc >= d->U) return false;
+  d->S1 = RegSplits(d->Uc, d->NH, 32);
+  d->k1 = Align4(int(CeilDiv(d->NH, d->S1)));
+  if (d->k1 > kRegB1 || d->Uc * d->S1 > kNT) return false;
+  const int n2 = d->Ic + d->Hc;
+  d->S2 = RegSplits(n2, d->U, 32);
+  d->k2 = Align4(int(CeilDiv(d->U, d->S2)));
+  if (d->k2 > kRegB2 || n2 * d->S2 > kNT) return false;
+  d->s1 = SplitStride(d->k1);
+  d->s2 = SplitStride(d->k2);
+  d->ph_ld = int(CeilDiv(d->NH, d->k1)) * d->s1;
+  d->pb_ld = int(CeilDiv(d->U, d->k2)) * d->s2;
+  d->ts_ld = Align4(d->H);
+  return true;
+}
+
+inline Layout MakeRegBackwardLayout(const CfcDims& d) {
+  Layout s{};
+  int o = 0;
+  s.dph = o; o += 2 * d.ph_ld;  // dph by step parity, unit-major, split layout (k1, s1)
+  s.dpb = o; o += 2 * d.pb_ld;  // dpb by step parity, split layout (k2, s2)
+  s.dts = o; o += 2 * d.ts_ld;  // the units' dts terms by step parity (used at rank 0)
+  s.mbar = o; o += Align4(2 * 2 * 2);
+  s.total = o;
+  return s;
+}
+
+// A hidden unit's step coefficients (its pre-activations' nonlinearities), so that its gradients are a few
+// products with dh. Modes default / no_gate: a1 = 1 - f1^2, a2 = 1 - f2^2, m1 (1 - g, or 1), g, dd (f2 - f1, or
+// f2), om = 1 - g, ts, ta. Mode pure: a1 = d h / d ff1 over dh, a2 = d A, m1 = d w_tau, dd = the dts term
+// (each over dh). The products are formed in the same order as in cfc_bwd_kernel.
+struct UnitCoef {
+  float a1, a2, m1, g, dd, om, ts, ta;
+};
+
+__device__ __forceinline__ UnitCoef MakeUnitCoef(int mode, float tst, float p0, float p1, float p2, float p3, float Ap,
+                                                 float wt) {
+  UnitCoef c;
+  if (mode == kPure) {
+    const float f = p0, awt = fabsf(wt);
+    const float e = expf(-tst * (awt + fabsf(f)));
+    c.a1 = -Ap * e * (1.f - tst * f * Sign(f));
+    c.a2 = 1.f - e * f;
+    c.m1 = Ap * f * e * tst * Sign(wt);
+    c.dd = Ap * f * e * (awt + fabsf(f));
+    c.g = c.om = c.ts = c.ta = 0.f;
+  } else {
+    const float f1 = tanhf(p0), f2 = tanhf(p1);
+    const float g = Sigmoid(p2 * tst + p3);
+    c.a1 = 1.f - f1 * f1;
+    c.a2 = 1.f - f2 * f2;
+    c.m1 = mode == kNoGate ? 1.f : 1.f - g;
+    c.g = g;
+    c.dd = mode == kNoGate ? f2 : f2 - f1;
+    c.om = 1.f - g;
+    c.ts = tst;
+    c.ta = p2;
+  }
+  return c;
+}
+
+template <int C>
+__global__ void __launch_bounds__(kNT, 1)
+cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout lay, const float* __restrict__ ts,
+                   const float* __restrict__ wflat, const float* __restrict__ acts, const float* __restrict__ pre,
+                   const float* __restrict__ dhs, float* __restrict__ dxs, float* __restrict__ dts,
+                   float* __restrict__ dh0, float* __restrict__ dpre_bb, float* __restrict__ dpre_h,
+                   float* __restrict__ partials) {
+  extern __shared__ __align__(16) float sm[];
+  const int c = C == 1 ? 0 : int(blockIdx.x % C);
+  const int64_t sb = blockIdx.x / C;
+  const float* w = wflat + (sb / d.B) * d.P;
+  const Slice s = MakeSlice(d, c);
+  const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, NH = d.NH, nh = d.nh;
+  for (int i = tid; i < lay.mbar; i += kNT) sm[i] = 0.f;  // the padding of the split layouts reads as 0
+
+  // (b) item: backbone unit u0 + o1, entries n1 .. n1 + m1 of dph (split sp1); entry n is head n % nh of
+  // unit n / nh, column (n % nh) H + n / nh of W_heads.
+  const int o1 = tid / d.S1, sp1 = tid - o1 * d.S1;
+  const bool has1 = o1 < s.Uce;
+  const int n1 = sp1 * d.k1, m1 = has1 ? max(0, min(d.k1, NH - n1)) : 0;
+  float w1[kRegB1];
+#pragma unroll
+  for (int k = 0; k < kRegB1; ++k) {
+    const int n = n1 + k, col = (n % nh) * H + n / nh;
+    w1[k] = k < m1 ? w[d.off_hw + int64_t(s.u0 + o1) * NH + col] : 0.f;
+  }
+  // (c) item: row r2 of this CTA's rows (r2 < Ic: input x0 + r2; else hidden unit r2 - Ic), inputs
+  // n2 .. n2 + m2 of dpb (split sp2).
+  const int r2 = tid / d.S2, sp2 = tid - r2 * d.S2;
+  const bool row_x = r2 < d.Ic && r2 < s.Ice, row_h = r2 >= d.Ic && r2 - d.Ic < s.Hce;
+  const int zrow = r2 < d.Ic ? s.x0 + r2 : I + s.j0 + (r2 - d.Ic);
+  const int n2 = sp2 * d.k2, m2 = (row_x || row_h) ? max(0, min(d.k2, U - n2)) : 0;
+  float w2[kRegB2];
+#pragma unroll
+  for (int k = 0; k < kRegB2; ++k) w2[k] = k < m2 ? w[d.off_w[0] + int64_t(zrow) * U + n2 + k] : 0.f;
+
+  // (a) hidden unit jj = r2 - Ic, handled by the lane that receives its dh_carry in (c).
+  const bool own_unit = row_h && sp2 == 0;
+  const int jj = r2 - d.Ic, j = s.j0 + jj;
+  float dh_carry = 0.f, gA = 0.f, gtau = 0.f, Ap = 0.f, wt = 0.f;
+  if (d.mode == kPure && own_unit) {
+    Ap = w[d.off_A + j];
+    wt = w[d.off_tau + j];
+  }
+  const int pj = SplitPos(j * nh, d.k1, d.s1);      // the unit's nh entries of dph (16-byte aligned when nh = 4)
+  const int pu = SplitPos(s.u0 + o1, d.k2, d.s2);  // where this lane's dpb lands (lane sp1 == 0)
+
+  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
+  uint32_t rbase[C];
+#pragma unroll
+  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  auto kind_bytes = [&](int kind) { return uint32_t(4 * (kind == 0 ? NH + (c == 0 ? H : 0) : U)); };
+  if constexpr (C > 1) {
+    if (tid == 0) {
+      for (int kind = 0; kind < 2; ++kind)
+        for (int par = 0; par < 2; ++par) {
+          const uint32_t bar = mbar0 + 8 * (2 * kind + par);
+          MbarInit(bar);
+          if (par < T) MbarExpect(bar, kind_bytes(kind));
+        }
+      MbarInitFence();
+    }
+  }
+  const uint32_t bar_off = mbar0 - SmemAddr(sm);
+  auto put = [&](int r, int e, float v, int kind, int n) {  // element e (float offset) of rank r
+    if constexpr (C == 1) {
+      sm[e] = v;
+    } else {
+      StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * (2 * kind + (n & 1)));
+    }
+  };
+  auto wait = [&](int kind, int n) {
+    if constexpr (C > 1) {
+      const uint32_t bar = mbar0 + 8 * (2 * kind + (n & 1));
+      MbarWait(bar, (n >> 1) & 1);
+      if (tid == 0 && n + 2 < T) MbarExpect(bar, kind_bytes(kind));
+    } else {
+      __syncthreads();
+    }
+  };
+
+  // One step ahead in registers: the unit's inputs (ts, dhs, pre) and the backbone unit's activation.
+  float n_ts = 0.f, n_dh = 0.f, n_pre[4] = {0.f, 0.f, 0.f, 0.f}, n_act = 0.f;
+  auto prefetch = [&](int tt) {
+    if (tt < 0) return;
+    const int64_t r = sb * T + tt;
+    if (own_unit) {
+      n_ts = ts[r];
+      n_dh = dhs[r * H + j];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) if (q < nh) n_pre[q] = pre[r * NH + q * H + j];
+    }
+    if (has1 && sp1 == 0) n_act = acts[r * U + s.u0 + o1];
+  };
+  prefetch(T - 1);
+  UnitCoef uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], Ap, wt);
+  float dhs_t = n_dh, act_t = n_act;
+  ClusterSync<C>();  // buffers zeroed, mbarriers initialised, every CTA running
+
+  const int lane = tid & 31, warp = tid >> 5;
+  for (int t = T - 1; t >= 0; --t) {
+    const int n = T - 1 - t, par = n & 1;
+    const int64_t row = sb * T + t;
+    prefetch(t - 1);
+    const float* ph = sm + lay.dph + par * d.ph_ld;
+    const float* pb = sm + lay.dpb + par * d.pb_ld;
+    // (a) the unit's head gradients and dts term.
+    if (own_unit) {
+      const float dh = dhs_t + dh_carry;
+      const int e = lay.dph + par * d.ph_ld + pj;
+      float dts_term;
+      if (d.mode == kPure) {
+        const float g0 = dh * uc.a1;
+        gA += dh * uc.a2;
+        gtau += dh * uc.m1;
+        dts_term = dh * uc.dd;
+#pragma unroll
+        for (int r = 0; r < C; ++r) put(r, e, g0, 0, n);
+        dpre_h[row * NH + j] = g0;
+      } else {
+        const float df1 = dh * uc.m1, df2 = dh * uc.g, dg = dh * uc.dd;
+        const float dgp = dg * uc.g * uc.om;
+        const float4 g = make_float4(df1 * uc.a1, df2 * uc.a2, dgp * uc.ts, dgp);
+        dts_term = dgp * uc.ta;
+        if constexpr (C == 1) {
+          *reinterpret_cast<float4*>(sm + e) = g;
+        } else {
+#pragma unroll
+          for (int r = 0; r < C; ++r) StAsync4(rbase[r] + 4 * e, g, rbase[r] + bar_off + 8 * (n & 1));
+        }
+        dpre_h[row * NH + j] = g.x;
+        dpre_h[row * NH + H + j] = g.y;
+        dpre_h[row * NH + 2 * H + j] = g.z;
+        dpre_h[row * NH + 3 * H + j] = g.w;
+      }
+      put(0, lay.dts + par * d.ts_ld + j, dts_term, 0, n);
+    }
+    wait(0, n);
+    if constexpr (C > 1) __syncthreads();  // bounds the drift between warps (see the header)
+    // (b) backbone unit gradients.
+    {
+      const float v = GroupSum(RegDot(ph + sp1 * d.s1, w1, m1), d.S1);
+      if (has1 && sp1 == 0) {
+        const float g = v * LecunTanhGradFromOut(act_t);
+#pragma unroll
+        for (int r = 0; r < C; ++r) put(r, lay.dpb + par * d.pb_ld + pu, g, 1, n);
+        dpre_bb[row * U + s.u0 + o1] = g;
+      }
+    }
+    // dts_t: the last warp of rank 0 sums the H unit terms (lane-strided, then an xor tree).
+    if (c == 0 && warp == kNT / 32 - 1) {
+      const float* tv = sm + lay.dts + par * d.ts_ld;
+      float v = 0.f;
+      for (int i = lane; i < H; i += 32) v += tv[i];
+      v = WarpSum(v);
+      if (lane == 0) dts[row] = v;
+    }
+    // The next (earlier) step's coefficients, off the chain while exchange 1 is in flight.
+    if (t > 0) {
+      if (own_unit) uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], Ap, wt);
+      dhs_t = n_dh;
+      act_t = n_act;
+    }
+    wait(1, n);
+    // (c) input gradients: dx_t, and dh_carry for step t - 1.
+    {
+      const float v = GroupSum(RegDot(pb + sp2 * d.s2, w2, m2), d.S2);
+      if (sp2 == 0) {
+        if (row_x) dxs[row * I + s.x0 + r2] = v;
+        if (row_h) dh_carry = v;
+      }
+    }
+  }
+  if (own_unit) {
+    dh0[sb * H + j] = dh_carry;
+    if (d.mode == kPure) {
+      partials[sb * d.P + d.off_A + j] = gA;
+      partials[sb * d.P + d.off_tau + j] = gtau;
+    }
+  }
+  ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-sample weight gradient: partials[sb, out_off + k * N + n] = sum_t A(t, k) * D(t, n) for
 // k in [0, K), and row K the bias gradient sum_t D(t, n) (summed by the first k-tile's top threads, so
@@ -1244,6 +1529,16 @@ bool UseRegForward(const CfcDims& d) {
   return forced == 1 || d.kcb + d.kch >= kRegMinInputs;
 }
 
+// Whether the backward uses cfc_bwd_reg_kernel where RegBackwardPlan fits (default) or always cfc_bwd_kernel
+// (JAXFOX_CFC_REG_BWD=0, for A/B timing); read once per process.
+bool UseRegBackward() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAXFOX_CFC_REG_BWD");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
 // Calls f(std::integral_constant<int, C>) for the cluster size ChooseCluster picked.
 template <typename F>
 ffi::Error ByCluster(const CfcDims& d, F&& f) {
@@ -1369,7 +1664,17 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   auto launch = [&](auto kernel) {
     return LaunchCluster(kernel, d.C, S, smem, stream, d, lay, px, pt, pw, pa, pp, pd, gx, gt, gh, gbb, gph, part);
   };
-  const ffi::Error e = ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_bwd_kernel<C(), smem_w()>); });
+  d.reg_b = RegBackwardPlan(&d) && UseRegBackward() ? 1 : 0;
+  ffi::Error e = ffi::Error::Success();
+  if (d.reg_b) {
+    const Layout rlay = MakeRegBackwardLayout(d);
+    e = ByCluster(d, [&](auto C) {
+      return LaunchCluster(cfc_bwd_reg_kernel<C()>, d.C, S, int64_t(rlay.total) * sizeof(float), stream, d, rlay, pt,
+                           pw, pa, pp, pd, gx, gt, gh, gbb, gph, part);
+    });
+  } else {
+    e = ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_bwd_kernel<C(), smem_w()>); });
+  }
   JAXFOX_RETURN_IF_ERROR(e);
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd recurrence"));
   for (int l = 0; l <= d.L; ++l) {

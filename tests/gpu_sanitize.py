@@ -5,8 +5,8 @@ Usage on the GPU machine:
     compute-sanitizer --tool memcheck  python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
 
-Runs one small cfc_scan forward + backward per mode (backbone depths 0 and 2, odd sizes, plus a vmapped
-call) and reduce_axis0 on shapes that take the single-range and the multi-range (chunks > 1) paths,
+Runs one small cfc_scan forward + backward per mode (backbone depths 0, 1 and 2, odd sizes; depth 1 at H = 64 and
+H = 128 too, where the register kernels run in clusters of 2 and 4 CTAs; plus a vmapped call) and reduce_axis0 on shapes that take the single-range and the multi-range (chunks > 1) paths,
 checks the values against NumPy, and prints OK at the end. Exits non-zero when the kernels are not
 available (nothing would be sanitized).
 """
@@ -53,16 +53,17 @@ def main() -> int:
         print(f"jaxfox kernels unavailable: {jaxfox.kernels_unavailable_reason()}", file=sys.stderr)
         return 2
 
+    sizes = [dict(), dict(B=2, T=4, I=16, H=64, U=40), dict(B=2, T=4, I=16, H=128, U=128)]
     for mode in ("default", "no_gate", "pure"):
-        for layers in (0, 2):
-            args = _cfc_case(mode, layers)
+        for layers, size in [(0, sizes[0]), (2, sizes[0])] + [(1, z) for z in sizes]:
+            args = _cfc_case(mode, layers, **size)
             f = jax.jit(_fwd_bwd(mode))
             text = f.lower(*args).as_text()
             assert "jaxfox_cfc_fwd" in text and "jaxfox_cfc_bwd" in text, "kernel path not taken"
             hs, grads = jax.block_until_ready(f(*args))
             for leaf in [hs] + jax.tree.leaves(grads):
                 assert np.isfinite(np.asarray(leaf)).all(), (mode, layers)
-            print(f"cfc_scan fwd+bwd mode={mode} layers={layers}: ok", flush=True)
+            print(f"cfc_scan fwd+bwd mode={mode} layers={layers} {size}: ok", flush=True)
     # vmapped (instances as leading dims) CfC call
     cases = [_cfc_case("default", 1, seed=s) for s in range(2)]
     stacked = [jax.tree.map(lambda *a: jnp.stack(a), *[c[k] for c in cases]) for k in range(5)]

@@ -429,6 +429,9 @@ _PATH_CASES.update({
     "register_forward_cluster1": ({"JAXFOX_CFC_REG": "1", "JAXFOX_CFC_CLUSTER": "1"}, _REG_CASES),
     "register_forward_cluster8": ({"JAXFOX_CFC_REG": "1", "JAXFOX_CFC_CLUSTER": "8"}, _REG_CASES[:4]),
     "smem_forward": ({"JAXFOX_CFC_REG": "0"}, _REG_CASES),
+    # the shared-memory backward where the register backward would run (one backbone layer, slices non-empty)
+    "smem_backward": ({"JAXFOX_CFC_REG_BWD": "0"}, _REG_CASES + _SMALL_CASES[:1]),
+    "smem_backward_cluster2": ({"JAXFOX_CFC_REG_BWD": "0", "JAXFOX_CFC_CLUSTER": "2"}, _SMALL_CASES[:1]),
 })
 
 
