@@ -10,6 +10,8 @@
 * ``kernels_on`` (fixture), ``assert_leaves_close``, ``cuda_custom_calls``: kernel-vs-reference comparison of named leaves; the jaxfox FFI
   calls of a program's CUDA lowering.
 * ``module_opt_in``: a module's opt-in kernels (``JAXFOX_OPT_IN_KERNELS``) for that module's tests only.
+* ``JAXFOX_TEST_SHARD=i/n`` (environment): run only the collected tests whose index is i modulo n, so that n
+  pytest processes split one compile-bound GPU test module between them (tools/gpu_visit.sh's ``ptest`` phase).
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ _force_host_devices(8)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = os.environ.get("JAXFOX_TEST_SHARD")
+    if not shard:
+        return
+    i, n = (int(v) for v in shard.split("/"))
+    keep = [item for k, item in enumerate(items) if k % n == i]
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
+    items[:] = keep
 
 
 # ----------------------------------------------------------------------------------------------

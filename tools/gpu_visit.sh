@@ -6,7 +6,8 @@
 #   bash tools/gpu_visit.sh build test:optim sanitize:optim bench:adamw,copy
 #
 # Phases: build (sm_90 only, all cores) | test:<module,...> (tests/test_gpu_<module>.py under `pytest -m gpu`;
-#         a module may be `cfc::test_name` to run one test) |
+#         a module may be `cfc::test_name` to run one test) | ptest:<module>:<n> (the same for one module, split over
+#         n pytest processes run at once: JAXFOX_TEST_SHARD, tests/conftest.py; their logs go into visit.log) |
 #         sanitize:<name,...> (memcheck, then racecheck, of tests/gpu_sanitize_<name>.py; `sanitize:` alone
 #         is tests/gpu_sanitize.py) | bench:<op,...> (python -m jaxfox.bench --ops ... --repeats 3) |
 #         job:<epochs> (the main job, examples/train_perception.py, with kernels, then JAXFOX_DISABLE_KERNELS=1;
@@ -52,6 +53,17 @@ for phase in "$@"; do
         case "$m" in *::*) files+=("$repo/tests/test_gpu_${m%%::*}.py::${m#*::}") ;; *) files+=("$repo/tests/test_gpu_${m}.py") ;; esac
       done
       (cd /tmp && timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$repo" "${files[@]}") >>"$log" 2>&1 ;;
+    ptest)
+      m="${arg%%:*}"; n="${arg#*:}"; [ "$n" = "$arg" ] && n=4
+      pids=()
+      for ((i = 0; i < n; i++)); do
+        (cd /tmp && JAXFOX_TEST_SHARD="$i/$n" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$(left)" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider --rootdir "$repo" "$repo/tests/test_gpu_$m.py" >"/tmp/ptest_${m}_$i.log" 2>&1) &
+        pids+=($!)
+      done
+      rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+      for ((i = 0; i < n; i++)); do echo "-- shard $i/$n" >>"$log"; cat "/tmp/ptest_${m}_$i.log" >>"$log"; done
+      [ "$rc" = 0 ] ;;
     sanitize)
       rc=0
       for s in ${arg:-_}; do
