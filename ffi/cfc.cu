@@ -765,6 +765,17 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
 
+// End of a backward scan, for hidden unit j of sample sb: dh0, and in pure mode the partials of A and w_tau
+// (the unit's sums over the steps).
+__device__ __forceinline__ void StoreUnitResults(const CfcDims& d, int64_t sb, int j, float dh_carry, float gA, float gtau,
+                                                 float* __restrict__ dh0, float* __restrict__ partials) {
+  dh0[sb * d.H + j] = dh_carry;
+  if (d.mode == kPure) {
+    partials[sb * d.P + d.off_A + j] = gA;
+    partials[sb * d.P + d.off_tau + j] = gtau;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward through time. Writes dxs, dts, dh0, the pre-activation gradients dpre_bb [S, T, L*U]
 // and dpre_h [S, T, NH] (for the weight-gradient kernel), and in pure mode the w_tau / A entries
@@ -1023,13 +1034,7 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
     for (int i = tid; i < s.Ice; i += kNT) dxs[row * I + s.x0 + i] = gather(L, par, i);
     if (own_h) dh_carry = gather(L, par, d.Ic + tid);
   }
-  if (own_h) {
-    dh0[sb * H + j] = dh_carry;
-    if (d.mode == kPure) {
-      partials[sb * d.P + d.off_A + j] = gA;
-      partials[sb * d.P + d.off_tau + j] = gtau;
-    }
-  }
+  if (own_h) StoreUnitResults(d, sb, j, dh_carry, gA, gtau, dh0, partials);
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
 
@@ -1290,13 +1295,7 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
       }
     }
   }
-  if (own_unit) {
-    dh0[sb * H + j] = dh_carry;
-    if (d.mode == kPure) {
-      partials[sb * d.P + d.off_A + j] = gA;
-      partials[sb * d.P + d.off_tau + j] = gtau;
-    }
-  }
+  if (own_unit) StoreUnitResults(d, sb, j, dh_carry, gA, gtau, dh0, partials);
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
 

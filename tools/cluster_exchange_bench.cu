@@ -41,18 +41,18 @@ __device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
 __device__ __forceinline__ void MbarExpect(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Acquire at CTA scope (cfc.cu's waits) or, for data released by remote arrives, at cluster scope.
+template <bool kClusterScope = false>
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void MbarWaitCluster(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if constexpr (kClusterScope) {
+      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                   " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } else {
+      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                   : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
   } while (!done);
 }
 __device__ __forceinline__ void StAsync(uint32_t raddr, float v, uint32_t rbar) {
@@ -143,7 +143,7 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NT, 1) xkernel(float
         __syncwarp();
         if ((tid & 31) == 0) RemoteArrive(MapRank(bar_p, r));
       }
-      if (tid < 32) MbarWaitCluster(bar_p, (t >> 1) & 1);
+      if (tid < 32) MbarWait<true>(bar_p, (t >> 1) & 1);
       __syncthreads();
     }
     // the next slice depends on this step's data
