@@ -1091,7 +1091,10 @@ inline Layout MakeRegBackwardLayout(const CfcDims& d) {
 // A hidden unit's step coefficients (its pre-activations' nonlinearities), so that its gradients are a few
 // products with dh. Modes default / no_gate: a1 = 1 - f1^2, a2 = 1 - f2^2, m1 (1 - g, or 1), g, dd (f2 - f1, or
 // f2), om = 1 - g, ts, ta. Mode pure: a1 = d h / d ff1 over dh, a2 = d A, m1 = d w_tau, dd = the dts term
-// (each over dh). The products are formed in the same order as in cfc_bwd_kernel.
+// (each over dh). The products are formed in the same order as in cfc_bwd_kernel, but for pure mode's dts
+// term (dh times its coefficient here, ((dh Ap) f) e (...) there) and dts_t's sum over units (one lane-strided
+// sum over H here, per-CTA sums added in rank order there): the two kernels' dts and the gradients that
+// depend on it differ in the last bits.
 struct UnitCoef {
   float a1, a2, m1, g, dd, om, ts, ta;
 };

@@ -432,6 +432,11 @@ _PATH_CASES.update({
     # the shared-memory backward where the register backward would run (one backbone layer, slices non-empty)
     "smem_backward": ({"JAXFOX_CFC_REG_BWD": "0"}, _REG_CASES + _SMALL_CASES[:1]),
     "smem_backward_cluster2": ({"JAXFOX_CFC_REG_BWD": "0", "JAXFOX_CFC_CLUSTER": "2"}, _SMALL_CASES[:1]),
+    # the register backward in a cluster at T = 1, 2, 3, with a partial last slice (H = 33, U = 34: 17 + 16), NH not a
+    # multiple of the split width and U not a multiple of 4
+    "register_backward_cluster2_short": ({"JAXFOX_CFC_CLUSTER": "2"}, [("default", 1, (2, 1, 7, 33, 34)),
+                                                                      ("pure", 1, (3, 2, 7, 33, 34)),
+                                                                      ("no_gate", 1, (2, 3, 7, 33, 34))]),
 })
 
 
