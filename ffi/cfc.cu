@@ -18,8 +18,8 @@
 //
 // Backward: one reverse-time launch computes input gradients and the pre-activation gradients of
 // every step (workspace outputs): cfc_bwd_reg_kernel (one backbone layer, when RegBackwardPlan fits:
-// weights in registers, slices all-gathered; 1.744 against 1.895 ms fwd+bwd at the bench shape, and
-// the main job's training step 582 against 654 us, on the H200) or cfc_bwd_kernel (any depth). A tiled
+// weights in registers, slices all-gathered; 1.747 against 1.895 ms fwd+bwd at the bench shape, and
+// the main job's training step 590 against 654 us, on the H200) or cfc_bwd_kernel (any depth). A tiled
 // kernel then forms each sample's parameter-gradient partial sum_t input_t^T dpre_t (fixed t order)
 // into [B, P], and reduce_axis0 sums those over B.
 #include <cooperative_groups.h>

@@ -47,9 +47,8 @@ def pytest_collection_modifyitems(config, items):
     if not shard:
         return
     i, n = (int(v) for v in shard.split("/"))
-    keep = [item for k, item in enumerate(items) if k % n == i]
     config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
-    items[:] = keep
+    items[:] = items[i::n]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,10 +5,11 @@ Usage on the GPU machine:
     compute-sanitizer --tool memcheck  python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
 
-Runs one small cfc_scan forward + backward per mode (backbone depths 0, 1 and 2, odd sizes; depth 1 at H = 64 and
-H = 128 too, where the register kernels run in clusters of 2 and 4 CTAs; plus a vmapped call) and reduce_axis0 on shapes that take the single-range and the multi-range (chunks > 1) paths,
-checks the values against NumPy, and prints OK at the end. Exits non-zero when the kernels are not
-available (nothing would be sanitized).
+Runs one small cfc_scan forward + backward per mode (backbone depths 0, 1 and 2, odd sizes; depth 1 at H = 64
+and H = 128 too, where the register kernels run in clusters of 2 and 4 CTAs; plus a vmapped call) and
+reduce_axis0 on shapes that take the single-range and the multi-range (chunks > 1) paths, checks the values
+against NumPy, and prints OK at the end. Exits non-zero when the kernels are not available (nothing would be
+sanitized).
 """
 
 from __future__ import annotations
