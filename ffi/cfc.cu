@@ -590,9 +590,11 @@ bool RegForwardPlan(CfcDims* d) {
   if (d->kch > kRegH || d->nh * d->Hc * d->Sh > kNT) return false;
   d->zkc = d->L > 0 ? d->kcb : d->kch;
   d->zs = SplitStride(d->zkc);
-  d->zld = int(CeilDiv(d->K0, d->zkc)) * d->zs;
+  // Whole splits for every lane that reads the vector (Sb or Sh of them), zero-padded: a lane may read its whole
+  // split (cfc_fwd_reg_kernel's fixed geometries), whatever its share of the inputs.
+  d->zld = std::max(int(CeilDiv(d->K0, d->zkc)), d->L > 0 ? d->Sb : d->Sh) * d->zs;
   d->as_ = SplitStride(d->kch);
-  d->ald = d->L > 0 ? int(CeilDiv(d->U, d->kch)) * d->as_ : 0;
+  d->ald = d->L > 0 ? std::max(int(CeilDiv(d->U, d->kch)), d->Sh) * d->as_ : 0;
   return true;
 }
 
@@ -629,18 +631,23 @@ __device__ __forceinline__ float GroupSum(float v, int group) {  // xor tree ove
   return v;
 }
 
-template <int C>
+// Geometry fixed at compile time (FixedGeometry; KH = 0: read from CfcDims at run time). With it the register
+// products are straight-line code: fixed trip counts, unpredicated loads (RegForwardPlan pads the split layouts
+// with zeros to whole splits for every lane, and a lane's weights past its inputs are 0) and unrolled shuffle trees.
+template <int C, int KB = 0, int SB = 0, int KH = 0, int SH = 0>
 __global__ void __launch_bounds__(kNT, 1)
 cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout lay, const float* __restrict__ xs,
                    const float* __restrict__ ts, const float* __restrict__ h0, const float* __restrict__ wflat,
                    float* __restrict__ hs, float* __restrict__ acts, float* __restrict__ pre) {
+  static_assert((KB > 0) == (KH > 0) && (SB > 0) == (KH > 0) && (SH > 0) == (KH > 0), "all fixed or none");
   extern __shared__ __align__(16) float sm[];
   const int c = C == 1 ? 0 : int(blockIdx.x % C);
   const int64_t sb = blockIdx.x / C;
   const float* w = wflat + (sb / d.B) * d.P;
   const Slice s = MakeSlice(d, c);
-  const int tid = threadIdx.x, lane = tid & 31, T = int(d.T), I = d.I, H = d.H, U = d.U, L = d.L;
+  const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, L = d.L;
   const int Hce = s.Hce, nh = d.nh;
+  const int Sb = SB ? SB : d.Sb, kcb = KB ? KB : d.kcb, Sh = SH ? SH : d.Sh, kch = KH ? KH : d.kch;
   float* z = sm + lay.z;  // z[par * zld + k]: x_t then h_{t-1}, zero padding up to zld
   float* act = sm + lay.act;
   for (int i = tid; i < 2 * d.zld; i += kNT) z[i] = 0.f;
@@ -650,24 +657,24 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 
   // This thread's backbone item (output ob, inputs kb0 .. kb0 + nb) and head item (head q of unit jj); the
   // splits start at pb0 / ph0 in the split layouts of z and of the heads' input.
-  const int ob = tid / d.Sb, spb = tid - ob * d.Sb;
+  const int ob = tid / Sb, spb = tid - ob * Sb;
   const bool has_b = L > 0 && ob < s.Uce;
-  const int kb0 = spb * d.kcb, nb = has_b ? max(0, min(d.kcb, d.K0 - kb0)) : 0, pb0 = spb * d.zs;
-  float wb[kRegB];
+  const int kb0 = spb * kcb, nb = has_b ? max(0, min(kcb, d.K0 - kb0)) : 0, pb0 = spb * d.zs;
+  float wb[KB ? KB : kRegB];
 #pragma unroll
-  for (int k = 0; k < kRegB; ++k) wb[k] = k < nb ? w[d.off_w[0] + int64_t(kb0 + k) * U + s.u0 + ob] : 0.f;
+  for (int k = 0; k < (KB ? KB : kRegB); ++k) wb[k] = k < nb ? w[d.off_w[0] + int64_t(kb0 + k) * U + s.u0 + ob] : 0.f;
   const float bias_b = has_b ? w[d.off_b[0] + s.u0 + ob] : 0.f;
-  const int gh = nh * d.Sh, jj = tid / gh, q = (tid - jj * gh) / d.Sh, sph = tid - jj * gh - q * d.Sh;
+  const int gh = nh * Sh, jj = tid / gh, q = (tid - jj * gh) / Sh, sph = tid - jj * gh - q * Sh;
   const bool has_h = jj < Hce;
-  const int kh0 = sph * d.kch, nhk = has_h ? max(0, min(d.kch, d.Kh - kh0)) : 0;
+  const int kh0 = sph * kch, nhk = has_h ? max(0, min(kch, d.Kh - kh0)) : 0;
   const int ph0 = sph * (L > 0 ? d.as_ : d.zs);
   // Where this thread's stores land in the split layouts: its input x_tid, backbone output and hidden unit.
   const int px = SplitPos(tid, d.zkc, d.zs);
-  const int pa = L > 0 ? SplitPos(s.u0 + ob, d.kch, d.as_) : 0;
+  const int pa = L > 0 ? SplitPos(s.u0 + ob, kch, d.as_) : 0;
   const int pz = SplitPos(I + s.j0 + jj, d.zkc, d.zs);
-  float wh[kRegH];
+  float wh[KH ? KH : kRegH];
 #pragma unroll
-  for (int k = 0; k < kRegH; ++k)
+  for (int k = 0; k < (KH ? KH : kRegH); ++k)
     wh[k] = k < nhk ? w[d.off_hw + int64_t(kh0 + k) * d.NH + q * H + s.j0 + jj] : 0.f;
   const float bias_h = has_h ? w[d.off_hb + q * H + s.j0 + jj] : 0.f;
   float wtau = 0.f, Ap = 0.f;
@@ -675,7 +682,6 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     wtau = fabsf(w[d.off_tau + s.j0 + jj]);
     Ap = w[d.off_A + s.j0 + jj];
   }
-  const int gbase = lane - (lane % gh);  // lane of (unit jj, head 0, split 0)
 
   const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
   uint32_t rbase[C];
@@ -712,9 +718,14 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     }
   };
 
+  // Per-step global addresses, advanced by one row a step.
   const float* xrow = xs + sb * T * I;
+  const float* tsp = ts + sb * T;
+  float* actp = acts + (sb * T) * U + s.u0 + ob;
+  float* prep = pre + (sb * T) * d.NH + q * H + s.j0 + jj;
+  float* hsp = hs + (sb * T) * H + s.j0 + jj;
   float xnext = tid < I ? xrow[tid] : 0.f;
-  float tsnext = ts[sb * T];
+  float tsnext = tsp[0];
   ClusterSync<C>();  // buffers zeroed, h0 staged, mbarriers initialised, every CTA running
 
   for (int t = 0; t < T; ++t) {
@@ -726,41 +737,45 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     for (int i = tid + kNT; i < I; i += kNT) zt[SplitPos(i, d.zkc, d.zs)] = xrow[t * I + i];  // past the first kNT
     if (t + 1 < T) {
       if (tid < I) xnext = xrow[(t + 1) * I + tid];
-      tsnext = ts[sb * T + t + 1];
+      tsnext = tsp[t + 1];
     }
     if (t > 0) wait(L, t - 1);  // h_{t-1}
     __syncthreads();            // and the x_t stores above (and, for C == 1, the h stores)
-    const int64_t row = sb * T + t;
     const float* hin = zt;
     if (L > 0) {
-      const float p = GroupSum(RegDot(zt + pb0, wb, nb), d.Sb);
+      const float p = GroupSum(RegDot(zt + pb0, wb, KB ? KB : nb), Sb);
       if (has_b && spb == 0) {
         const float a = LecunTanh(p + bias_b);
         broadcast(lay.act + par * d.ald + pa, a, 0, t);
-        acts[row * U + s.u0 + ob] = a;
+        *actp = a;
       }
       wait(0, t);
       if constexpr (C == 1) __syncthreads();
       hin = act + par * d.ald;
     }
-    const float hv = GroupSum(RegDot(hin + ph0, wh, nhk), d.Sh) + bias_h;
-    if (has_h && sph == 0) pre[row * d.NH + q * H + s.j0 + jj] = hv;
-    const float v0 = __shfl_sync(0xffffffffu, hv, gbase);
-    const float v1 = __shfl_sync(0xffffffffu, hv, gbase + (nh > 1 ? d.Sh : 0));
-    const float v2 = __shfl_sync(0xffffffffu, hv, gbase + (nh > 1 ? 2 * d.Sh : 0));
-    const float v3 = __shfl_sync(0xffffffffu, hv, gbase + (nh > 1 ? 3 * d.Sh : 0));
+    const float hv = GroupSum(RegDot(hin + ph0, wh, KH ? KH : nhk), Sh) + bias_h;
+    if (has_h && sph == 0) *prep = hv;
+    float h;
+    if (d.mode == kPure) {  // one head: this lane holds the unit's pre-activation
+      h = -Ap * expf(-tst * (wtau + fabsf(hv))) * hv + Ap;
+    } else {
+      // The unit's nonlinearities in parallel, one a lane: heads 0 and 1 take tanh of their value, head 2 the gate
+      // sigmoid(v2 ts + v3) = (1 + tanh((v2 ts + v3) / 2)) / 2 (head 3's value comes from the lane Sh above).
+      const float v3 = __shfl_down_sync(0xffffffffu, hv, Sh);
+      const bool gate = q == 2;
+      const float th = tanhf(gate ? 0.5f * (hv * tst + v3) : hv);
+      const float f = gate ? fmaf(0.5f, th, 0.5f) : th;
+      const float f2 = __shfl_down_sync(0xffffffffu, f, Sh);
+      const float g = __shfl_down_sync(0xffffffffu, f, 2 * Sh);
+      h = d.mode == kNoGate ? f + g * f2 : f * (1.f - g) + g * f2;
+    }
     if (has_h && q == 0 && sph == 0) {
-      float h;
-      if (d.mode == kPure) {
-        h = -Ap * expf(-tst * (wtau + fabsf(v0))) * v0 + Ap;
-      } else {
-        const float f1 = tanhf(v0), f2 = tanhf(v1);
-        const float g = Sigmoid(v2 * tst + v3);
-        h = d.mode == kNoGate ? f1 + g * f2 : f1 * (1.f - g) + g * f2;
-      }
-      hs[row * H + s.j0 + jj] = h;
+      *hsp = h;
       if (t + 1 < T) broadcast(zn_off + pz, h, L, t);
     }
+    actp += U;
+    prep += d.NH;
+    hsp += H;
   }
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
@@ -1071,8 +1086,9 @@ bool RegBackwardPlan(CfcDims* d) {
   if (d->k2 > kRegB2 || n2 * d->S2 > kNT) return false;
   d->s1 = SplitStride(d->k1);
   d->s2 = SplitStride(d->k2);
-  d->ph_ld = int(CeilDiv(d->NH, d->k1)) * d->s1;
-  d->pb_ld = int(CeilDiv(d->U, d->k2)) * d->s2;
+  // Whole zero-padded splits for every lane (S1, S2 of them), as in RegForwardPlan.
+  d->ph_ld = std::max(int(CeilDiv(d->NH, d->k1)), d->S1) * d->s1;
+  d->pb_ld = std::max(int(CeilDiv(d->U, d->k2)), d->S2) * d->s2;
   d->ts_ld = Align4(d->H);
   return true;
 }
@@ -1125,7 +1141,8 @@ __device__ __forceinline__ UnitCoef MakeUnitCoef(int mode, float tst, float p0, 
   return c;
 }
 
-template <int C>
+// K1 .. S2: the geometry fixed at compile time, as cfc_fwd_reg_kernel's (0: read from CfcDims at run time).
+template <int C, int K1 = 0, int S1 = 0, int K2 = 0, int S2 = 0>
 __global__ void __launch_bounds__(kNT, 1)
 cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout lay, const float* __restrict__ ts,
                    const float* __restrict__ wflat, const float* __restrict__ acts, const float* __restrict__ pre,
@@ -1137,29 +1154,31 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   const int64_t sb = blockIdx.x / C;
   const float* w = wflat + (sb / d.B) * d.P;
   const Slice s = MakeSlice(d, c);
+  static_assert((K1 > 0) == (K2 > 0) && (S1 > 0) == (K1 > 0) && (S2 > 0) == (K1 > 0), "all fixed or none");
   const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, NH = d.NH, nh = d.nh;
+  const int s1n = S1 ? S1 : d.S1, k1 = K1 ? K1 : d.k1, s2n = S2 ? S2 : d.S2, k2 = K2 ? K2 : d.k2;
   for (int i = tid; i < lay.mbar; i += kNT) sm[i] = 0.f;  // the padding of the split layouts reads as 0
 
   // (b) item: backbone unit u0 + o1, entries n1 .. n1 + m1 of dph (split sp1); entry n is head n % nh of
   // unit n / nh, column (n % nh) H + n / nh of W_heads.
-  const int o1 = tid / d.S1, sp1 = tid - o1 * d.S1;
+  const int o1 = tid / s1n, sp1 = tid - o1 * s1n;
   const bool has1 = o1 < s.Uce;
-  const int n1 = sp1 * d.k1, m1 = has1 ? max(0, min(d.k1, NH - n1)) : 0;
-  float w1[kRegB1];
+  const int n1 = sp1 * k1, m1 = has1 ? max(0, min(k1, NH - n1)) : 0;
+  float w1[K1 ? K1 : kRegB1];
 #pragma unroll
-  for (int k = 0; k < kRegB1; ++k) {
+  for (int k = 0; k < (K1 ? K1 : kRegB1); ++k) {
     const int n = n1 + k, col = (n % nh) * H + n / nh;
     w1[k] = k < m1 ? w[d.off_hw + int64_t(s.u0 + o1) * NH + col] : 0.f;
   }
   // (c) item: row r2 of this CTA's rows (r2 < Ic: input x0 + r2; else hidden unit r2 - Ic), inputs
   // n2 .. n2 + m2 of dpb (split sp2).
-  const int r2 = tid / d.S2, sp2 = tid - r2 * d.S2;
+  const int r2 = tid / s2n, sp2 = tid - r2 * s2n;
   const bool row_x = r2 < d.Ic && r2 < s.Ice, row_h = r2 >= d.Ic && r2 - d.Ic < s.Hce;
   const int zrow = r2 < d.Ic ? s.x0 + r2 : I + s.j0 + (r2 - d.Ic);
-  const int n2 = sp2 * d.k2, m2 = (row_x || row_h) ? max(0, min(d.k2, U - n2)) : 0;
-  float w2[kRegB2];
+  const int n2 = sp2 * k2, m2 = (row_x || row_h) ? max(0, min(k2, U - n2)) : 0;
+  float w2[K2 ? K2 : kRegB2];
 #pragma unroll
-  for (int k = 0; k < kRegB2; ++k) w2[k] = k < m2 ? w[d.off_w[0] + int64_t(zrow) * U + n2 + k] : 0.f;
+  for (int k = 0; k < (K2 ? K2 : kRegB2); ++k) w2[k] = k < m2 ? w[d.off_w[0] + int64_t(zrow) * U + n2 + k] : 0.f;
 
   // (a) hidden unit jj = r2 - Ic, handled by the lane that receives its dh_carry in (c).
   const bool own_unit = row_h && sp2 == 0;
@@ -1208,18 +1227,26 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 
   // One step ahead in registers: the unit's inputs (ts, dhs, pre) and the backbone unit's activation.
   float n_ts = 0.f, n_dh = 0.f, n_pre[4] = {0.f, 0.f, 0.f, 0.f}, n_act = 0.f;
-  auto prefetch = [&](int tt) {
-    if (tt < 0) return;
-    const int64_t r = sb * T + tt;
+  // Global addresses of row sb T + t, stepped back one row a step (in_r: the prefetched row's).
+  const int64_t last = sb * T + T - 1;
+  const float *ts_r = ts + last, *dhs_r = dhs + last * H + j, *pre_r = pre + last * NH + j;
+  const float* act_r = acts + last * U + s.u0 + o1;
+  float *dph_r = dpre_h + last * NH + j, *dpb_r = dpre_bb + last * U + s.u0 + o1, *dx_r = dxs + last * I + s.x0 + r2;
+  float* dts_r = dts + last;
+  auto prefetch = [&]() {
     if (own_unit) {
-      n_ts = ts[r];
-      n_dh = dhs[r * H + j];
+      n_ts = *ts_r;
+      n_dh = *dhs_r;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) if (q < nh) n_pre[q] = pre[r * NH + q * H + j];
+      for (int q = 0; q < 4; ++q) if (q < nh) n_pre[q] = pre_r[q * H];
     }
-    if (has1 && sp1 == 0) n_act = acts[r * U + s.u0 + o1];
+    if (has1 && sp1 == 0) n_act = *act_r;
+    ts_r -= 1;
+    dhs_r -= H;
+    pre_r -= NH;
+    act_r -= U;
   };
-  prefetch(T - 1);
+  prefetch();
   UnitCoef uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], Ap, wt);
   float dhs_t = n_dh, act_t = n_act;
   ClusterSync<C>();  // buffers zeroed, mbarriers initialised, every CTA running
@@ -1227,8 +1254,7 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   const int lane = tid & 31, warp = tid >> 5;
   for (int t = T - 1; t >= 0; --t) {
     const int n = T - 1 - t, par = n & 1;
-    const int64_t row = sb * T + t;
-    prefetch(t - 1);
+    if (t > 0) prefetch();
     const float* ph = sm + lay.dph + par * d.ph_ld;
     const float* pb = sm + lay.dpb + par * d.pb_ld;
     // (a) the unit's head gradients and dts term.
@@ -1243,7 +1269,7 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
         dts_term = dh * uc.dd;
 #pragma unroll
         for (int r = 0; r < C; ++r) put(r, e, g0, 0, n);
-        dpre_h[row * NH + j] = g0;
+        *dph_r = g0;
       } else {
         const float df1 = dh * uc.m1, df2 = dh * uc.g, dg = dh * uc.dd;
         const float dgp = dg * uc.g * uc.om;
@@ -1255,10 +1281,10 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 #pragma unroll
           for (int r = 0; r < C; ++r) StAsync4(rbase[r] + 4 * e, g, rbase[r] + bar_off + 8 * (n & 1));
         }
-        dpre_h[row * NH + j] = g.x;
-        dpre_h[row * NH + H + j] = g.y;
-        dpre_h[row * NH + 2 * H + j] = g.z;
-        dpre_h[row * NH + 3 * H + j] = g.w;
+        dph_r[0] = g.x;
+        dph_r[H] = g.y;
+        dph_r[2 * H] = g.z;
+        dph_r[3 * H] = g.w;
       }
       put(0, lay.dts + par * d.ts_ld + j, dts_term, 0, n);
     }
@@ -1266,12 +1292,12 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     if constexpr (C > 1) __syncthreads();  // bounds the drift between warps (see the header)
     // (b) backbone unit gradients.
     {
-      const float v = GroupSum(RegDot(ph + sp1 * d.s1, w1, m1), d.S1);
+      const float v = GroupSum(RegDot(ph + sp1 * d.s1, w1, K1 ? K1 : m1), s1n);
       if (has1 && sp1 == 0) {
         const float g = v * LecunTanhGradFromOut(act_t);
 #pragma unroll
         for (int r = 0; r < C; ++r) put(r, lay.dpb + par * d.pb_ld + pu, g, 1, n);
-        dpre_bb[row * U + s.u0 + o1] = g;
+        *dpb_r = g;
       }
     }
     // dts_t: the last warp of rank 0 sums the H unit terms (lane-strided, then an xor tree).
@@ -1280,7 +1306,7 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
       float v = 0.f;
       for (int i = lane; i < H; i += 32) v += tv[i];
       v = WarpSum(v);
-      if (lane == 0) dts[row] = v;
+      if (lane == 0) *dts_r = v;
     }
     // The next (earlier) step's coefficients, off the chain while exchange 1 is in flight.
     if (t > 0) {
@@ -1291,12 +1317,16 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     wait(1, n);
     // (c) input gradients: dx_t, and dh_carry for step t - 1.
     {
-      const float v = GroupSum(RegDot(pb + sp2 * d.s2, w2, m2), d.S2);
+      const float v = GroupSum(RegDot(pb + sp2 * d.s2, w2, K2 ? K2 : m2), s2n);
       if (sp2 == 0) {
-        if (row_x) dxs[row * I + s.x0 + r2] = v;
+        if (row_x) *dx_r = v;
         if (row_h) dh_carry = v;
       }
     }
+    dph_r -= NH;
+    dpb_r -= U;
+    dx_r -= I;
+    dts_r -= 1;
   }
   if (own_unit) StoreUnitResults(d, sb, j, dh_carry, gA, gtau, dh0, partials);
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
@@ -1559,6 +1589,38 @@ ffi::Error ByVariant(const CfcDims& d, F&& f) {
   return ByCluster(d, [&](auto C) { return d.smem_w ? f(C, std::true_type{}) : f(C, std::false_type{}); });
 }
 
+// The register kernels' geometries compiled with fixed trip counts (cfc_fwd_reg_kernel<C, KB, SB, KH, SH>,
+// cfc_bwd_reg_kernel<C, K1, S1, K2, S2>): the benchmark's I=48 H=U=128 at C=4 and the main job's I=32 H=32 U=64
+// at C=1 (any mode whose plan gives the same numbers). Other sizes run the same kernels with the geometry read at
+// run time. JAXFOX_CFC_FIXED=0 runs the run-time geometry everywhere (A/B timing, tests); read once per process.
+bool UseFixedGeometry() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAXFOX_CFC_FIXED");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
+// Calls f(kernel) with the register forward for d's geometry.
+template <typename F>
+ffi::Error ByForwardGeometry(const CfcDims& d, F&& f) {
+  if (UseFixedGeometry() && d.L == 1) {
+    if (d.C == 4 && d.kcb == 24 && d.Sb == 8 && d.kch == 64 && d.Sh == 2) return f(cfc_fwd_reg_kernel<4, 24, 8, 64, 2>);
+    if (d.C == 1 && d.kcb == 16 && d.Sb == 4 && d.kch == 32 && d.Sh == 2) return f(cfc_fwd_reg_kernel<1, 16, 4, 32, 2>);
+  }
+  return ByCluster(d, [&](auto C) { return f(cfc_fwd_reg_kernel<C()>); });
+}
+
+// Calls f(kernel) with the register backward for d's geometry.
+template <typename F>
+ffi::Error ByBackwardGeometry(const CfcDims& d, F&& f) {
+  if (UseFixedGeometry()) {
+    if (d.C == 4 && d.k1 == 64 && d.S1 == 8 && d.k2 == 32 && d.S2 == 4) return f(cfc_bwd_reg_kernel<4, 64, 8, 32, 4>);
+    if (d.C == 1 && d.k1 == 32 && d.S1 == 4 && d.k2 == 16 && d.S2 == 4) return f(cfc_bwd_reg_kernel<1, 32, 4, 16, 4>);
+  }
+  return ByCluster(d, [&](auto C) { return f(cfc_bwd_reg_kernel<C()>); });
+}
+
 ffi::Error CheckInputs(const CfcDims& d, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::F32>& ts,
                        ffi::Buffer<ffi::F32>& h0, ffi::Buffer<ffi::F32>& w, int64_t* V, int64_t* B, int64_t* T) {
   auto xd = xs.dimensions();
@@ -1601,7 +1663,7 @@ ffi::Error CfcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   const float *px = xs.typed_data(), *pt = ts.typed_data(), *ph = h0.typed_data(), *pw = w.typed_data();
   float *o1 = hs->typed_data(), *o2 = acts->typed_data(), *o3 = pre->typed_data();
   auto launch = [&](auto kernel) { return LaunchCluster(kernel, d.C, S, smem, stream, d, lay, px, pt, ph, pw, o1, o2, o3); };
-  const ffi::Error e = d.reg_f ? ByCluster(d, [&](auto C) { return launch(cfc_fwd_reg_kernel<C()>); })
+  const ffi::Error e = d.reg_f ? ByForwardGeometry(d, launch)
                                : ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_fwd_kernel<C(), smem_w()>); });
   JAXFOX_RETURN_IF_ERROR(e);
   return LastCudaError("cfc_fwd");
@@ -1670,9 +1732,9 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   ffi::Error e = ffi::Error::Success();
   if (d.reg_b) {
     const Layout rlay = MakeRegBackwardLayout(d);
-    e = ByCluster(d, [&](auto C) {
-      return LaunchCluster(cfc_bwd_reg_kernel<C()>, d.C, S, int64_t(rlay.total) * sizeof(float), stream, d, rlay, pt,
-                           pw, pa, pp, pd, gx, gt, gh, gbb, gph, part);
+    e = ByBackwardGeometry(d, [&](auto kernel) {
+      return LaunchCluster(kernel, d.C, S, int64_t(rlay.total) * sizeof(float), stream, d, rlay, pt, pw, pa, pp, pd, gx,
+                           gt, gh, gbb, gph, part);
     });
   } else {
     e = ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_bwd_kernel<C(), smem_w()>); });

@@ -420,7 +420,13 @@ _PATH_CASES = {
     # job's CfC (I=32 H=32 U=64: one CTA per sample, register forward) and H=64 (a cluster of 2).
     "default_choice": ({}, [("default", 1, (3, 6, 4, 1, 5)), ("pure", 0, (2, 5, 3, 1, 8)),
                            ("default", 1, (2, 4, 16, 512, 512)), ("default", 1, (32, 64, 32, 32, 64)),
-                           ("no_gate", 1, (5, 16, 32, 64, 64))]),
+                           ("no_gate", 1, (5, 16, 32, 64, 64)), ("default", 1, (2, 1, 48, 128, 128)),
+                           ("no_gate", 1, (3, 2, 48, 128, 128))]),
+    # the register kernels with their geometry read at run time (JAXFOX_CFC_FIXED=0) at the sizes whose geometry is
+    # otherwise compiled in (the benchmark's C = 4, the main job's C = 1)
+    "runtime_geometry": ({"JAXFOX_CFC_FIXED": "0"}, [("default", 1, (4, 17, 48, 128, 128)),
+                                                     ("no_gate", 1, (3, 9, 48, 128, 128)),
+                                                     ("default", 1, (5, 16, 32, 32, 64))]),
 }
 _REG_CASES = [("default", 1, (4, 9, 16, 64, 40)), ("pure", 1, (3, 7, 7, 33, 17)), ("no_gate", 0, (2, 5, 300, 20, 8)),
               ("default", 1, (2, 5, 270, 16, 24)), ("default", 1, (8, 16, 32, 32, 64)), ("pure", 0, (3, 6, 5, 9, 8))]
