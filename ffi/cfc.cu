@@ -546,8 +546,10 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
 // k-splits of one output sit in adjacent lanes and are summed with xor shuffles (a fixed tree,
 // the same in every lane), so no partial-sum buffer and no block barrier sits between a product and
 // its activation; all warps apply activations and gates. Lane layout: backbone output o = tid / Sb,
-// split tid % Sb; head q of hidden unit jj at tid = (jj * nh + q) * Sh + split, so the nh head
-// values of a unit are in one warp and the gate needs only shuffles. Activations are double-buffered
+// split tid % Sb; hidden unit jj's heads at tid = jj * Sh + split, each lane computing all nh heads of its unit
+// over its split (so each float4 read feeds nh products: a quarter of the shared-memory wavefronts of one head a
+// lane); QuadSum leaves head q's total in lanes q Sh / 4 .. (q + 1) Sh / 4 - 1 of the unit, and the gate needs only
+// shuffles. Activations are double-buffered
 // by step parity, so remote stores of step t + 1 never land in the buffer step t still reads.
 constexpr int kRegB = 32, kRegH = 64;
 
@@ -585,9 +587,11 @@ bool RegForwardPlan(CfcDims* d) {
   } else {
     d->Sb = 1; d->kcb = 0;
   }
-  d->Sh = RegSplits(d->nh * d->Hc, d->Kh, 32 / d->nh);
+  // Heads: each lane all nh heads of a unit over kch inputs (nh kch weights); four heads need >= 4 splits (QuadSum).
+  d->Sh = RegSplits(d->Hc, d->Kh, 32);
+  if (d->nh == 4) d->Sh = std::max(d->Sh, 4);
   d->kch = Align4(int(CeilDiv(d->Kh, d->Sh)));
-  if (d->kch > kRegH || d->nh * d->Hc * d->Sh > kNT) return false;
+  if (d->nh * d->kch > kRegH || d->Hc * d->Sh > kNT) return false;
   d->zkc = d->L > 0 ? d->kcb : d->kch;
   d->zs = SplitStride(d->zkc);
   // Whole splits for every lane that reads the vector (Sb or Sh of them), zero-padded: a lane may read its whole
@@ -631,6 +635,44 @@ __device__ __forceinline__ float GroupSum(float v, int group) {  // xor tree ove
   return v;
 }
 
+// a[q] = sum_k in[k] w[q * QS + k] over n <= N inputs for the four heads q (as RegDot: the tail of the last split
+// reads zero padding), one partial sum a head.
+template <int N, int QS, int NW>
+__device__ __forceinline__ void QuadDot(const float* __restrict__ in, const float (&w)[NW], int n, float (&a)[4]) {
+  static_assert(N <= QS && 4 * QS <= NW, "quad layout");
+#pragma unroll
+  for (int q = 0; q < 4; ++q) a[q] = 0.f;
+#pragma unroll
+  for (int c = 0; c < N; c += 4) {
+    if (c < n) {
+      const float4 v = *reinterpret_cast<const float4*>(in + c);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        a[q] = fmaf(v.x, w[q * QS + c], a[q]);
+        a[q] = fmaf(v.y, w[q * QS + c + 1], a[q]);
+        a[q] = fmaf(v.z, w[q * QS + c + 2], a[q]);
+        a[q] = fmaf(v.w, w[q * QS + c + 3], a[q]);
+      }
+    }
+  }
+}
+
+// Sums four values over a group of S >= 4 adjacent lanes (split index sp = lane % S): two halving exchanges (lanes
+// whose bit S / 2 is set keep heads 2, 3, the others 0, 1; then bit S / 4 picks one of the two), then an xor tree.
+// Returns head sp / (S / 4)'s total, the same in each of its lanes (a fixed order of additions).
+__device__ __forceinline__ float QuadSum(const float (&a)[4], int sp, int S) {
+  const int m1 = S >> 1, m2 = S >> 2;
+  const bool hi1 = sp & m1, hi2 = sp & m2;
+  float k0 = hi1 ? a[2] : a[0], k1 = hi1 ? a[3] : a[1];
+  const float s0 = hi1 ? a[0] : a[2], s1 = hi1 ? a[1] : a[3];
+  k0 += __shfl_xor_sync(0xffffffffu, s0, m1);
+  k1 += __shfl_xor_sync(0xffffffffu, s1, m1);
+  float k = hi2 ? k1 : k0;
+  k += __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, m2);
+  for (int m = m2 >> 1; m > 0; m >>= 1) k += __shfl_xor_sync(0xffffffffu, k, m);
+  return k;
+}
+
 // Geometry fixed at compile time (FixedGeometry; KH = 0: read from CfcDims at run time). With it the register
 // products are straight-line code: fixed trip counts, unpredicated loads (RegForwardPlan pads the split layouts
 // with zeros to whole splits for every lane, and a lane's weights past its inputs are 0) and unrolled shuffle trees.
@@ -664,7 +706,10 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 #pragma unroll
   for (int k = 0; k < (KB ? KB : kRegB); ++k) wb[k] = k < nb ? w[d.off_w[0] + int64_t(kb0 + k) * U + s.u0 + ob] : 0.f;
   const float bias_b = has_b ? w[d.off_b[0] + s.u0 + ob] : 0.f;
-  const int gh = nh * Sh, jj = tid / gh, q = (tid - jj * gh) / Sh, sph = tid - jj * gh - q * Sh;
+  // Heads: lane sph of unit jj, all nh heads over inputs kh0 .. kh0 + nhk; with four heads its total is head q's
+  // (QuadSum), whose lanes are hq = Sh / 4 apart.
+  const bool quad = KH ? true : nh == 4;
+  const int jj = tid / Sh, sph = tid - jj * Sh, hq = quad ? Sh >> 2 : 1, q = quad ? sph / hq : 0;
   const bool has_h = jj < Hce;
   const int kh0 = sph * kch, nhk = has_h ? max(0, min(kch, d.Kh - kh0)) : 0;
   const int ph0 = sph * (L > 0 ? d.as_ : d.zs);
@@ -672,10 +717,18 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   const int px = SplitPos(tid, d.zkc, d.zs);
   const int pa = L > 0 ? SplitPos(s.u0 + ob, kch, d.as_) : 0;
   const int pz = SplitPos(I + s.j0 + jj, d.zkc, d.zs);
-  float wh[KH ? KH : kRegH];
+  constexpr int QS = KH ? KH : kRegH / 4, NWH = KH ? 4 * KH : kRegH;  // head stride in wh (quad), wh's size
+  float wh[NWH];
+  if (quad) {
 #pragma unroll
-  for (int k = 0; k < (KH ? KH : kRegH); ++k)
-    wh[k] = k < nhk ? w[d.off_hw + int64_t(kh0 + k) * d.NH + q * H + s.j0 + jj] : 0.f;
+    for (int qq = 0; qq < 4; ++qq)
+#pragma unroll
+      for (int k = 0; k < QS; ++k)
+        wh[qq * QS + k] = k < nhk ? w[d.off_hw + int64_t(kh0 + k) * d.NH + qq * H + s.j0 + jj] : 0.f;
+  } else {
+#pragma unroll
+    for (int k = 0; k < NWH; ++k) wh[k] = k < nhk ? w[d.off_hw + int64_t(kh0 + k) * d.NH + s.j0 + jj] : 0.f;
+  }
   const float bias_h = has_h ? w[d.off_hb + q * H + s.j0 + jj] : 0.f;
   float wtau = 0.f, Ap = 0.f;
   if (d.mode == kPure && has_h) {
@@ -753,20 +806,27 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
       if constexpr (C == 1) __syncthreads();
       hin = act + par * d.ald;
     }
-    const float hv = GroupSum(RegDot(hin + ph0, wh, KH ? KH : nhk), Sh) + bias_h;
-    if (has_h && sph == 0) *prep = hv;
+    float hv;
+    if (quad) {
+      float a[4];
+      QuadDot<QS, QS>(hin + ph0, wh, KH ? KH : nhk, a);
+      hv = QuadSum(a, sph, Sh) + bias_h;
+    } else {
+      hv = GroupSum(RegDot(hin + ph0, wh, nhk), Sh) + bias_h;
+    }
+    if (has_h && sph % hq == 0) *prep = hv;
     float h;
     if (d.mode == kPure) {  // one head: this lane holds the unit's pre-activation
       h = -Ap * expf(-tst * (wtau + fabsf(hv))) * hv + Ap;
     } else {
       // The unit's nonlinearities in parallel, one a lane: heads 0 and 1 take tanh of their value, head 2 the gate
-      // sigmoid(v2 ts + v3) = (1 + tanh((v2 ts + v3) / 2)) / 2 (head 3's value comes from the lane Sh above).
-      const float v3 = __shfl_down_sync(0xffffffffu, hv, Sh);
+      // sigmoid(v2 ts + v3) = (1 + tanh((v2 ts + v3) / 2)) / 2 (head 3's value comes from the lane hq above).
+      const float v3 = __shfl_down_sync(0xffffffffu, hv, hq);
       const bool gate = q == 2;
       const float th = tanhf(gate ? 0.5f * (hv * tst + v3) : hv);
       const float f = gate ? fmaf(0.5f, th, 0.5f) : th;
-      const float f2 = __shfl_down_sync(0xffffffffu, f, Sh);
-      const float g = __shfl_down_sync(0xffffffffu, f, 2 * Sh);
+      const float f2 = __shfl_down_sync(0xffffffffu, f, hq);
+      const float g = __shfl_down_sync(0xffffffffu, f, 2 * hq);
       h = d.mode == kNoGate ? f + g * f2 : f * (1.f - g) + g * f2;
     }
     if (has_h && q == 0 && sph == 0) {
@@ -1545,7 +1605,7 @@ ffi::Error LaunchCluster(Kernel kernel, int C, int64_t samples, int64_t smem, cu
 }
 
 // Which forward kernel runs, given that RegForwardPlan fits. The register forward is used where each thread's
-// dot products are at least kRegMinInputs long (kcb + kch); shorter ones do not pay for the shuffle
+// dot products are at least kRegMinInputs long (kcb + nh kch); shorter ones do not pay for the shuffle
 // trees. Measured on the H200 (BENCHMARKS.md, seventh session): I=48 H=U=128 C=4 (24 + 64 inputs a
 // thread) forward 777 us against 856 us for cfc_fwd_kernel at B=32 T=256; the main job's I=32 H=32
 // U=64 C=4 (4 + 8) perception step 829 us against 811 us. JAXFOX_CFC_REG=0 never uses it,
@@ -1558,7 +1618,7 @@ bool UseRegForward(const CfcDims& d) {
     return e && (e[0] == '0' || e[0] == '1') ? e[0] - '0' : -1;
   }();
   if (forced == 0) return false;
-  return forced == 1 || d.kcb + d.kch >= kRegMinInputs;
+  return forced == 1 || d.kcb + d.nh * d.kch >= kRegMinInputs;
 }
 
 // Whether the backward uses cfc_bwd_reg_kernel where RegBackwardPlan fits (default) or always cfc_bwd_kernel
@@ -1591,7 +1651,7 @@ ffi::Error ByVariant(const CfcDims& d, F&& f) {
 
 // The register kernels' geometries compiled with fixed trip counts (cfc_fwd_reg_kernel<C, KB, SB, KH, SH>,
 // cfc_bwd_reg_kernel<C, K1, S1, K2, S2>): the benchmark's I=48 H=U=128 at C=4 and the main job's I=32 H=32 U=64
-// at C=1 (any mode whose plan gives the same numbers). Other sizes run the same kernels with the geometry read at
+// at C=1 (modes default and no_gate; the backward's also any mode whose plan gives the same numbers). Other sizes run the same kernels with the geometry read at
 // run time. JAXFOX_CFC_FIXED=0 runs the run-time geometry everywhere (A/B timing, tests); read once per process.
 bool UseFixedGeometry() {
   static const bool on = [] {
@@ -1605,8 +1665,11 @@ bool UseFixedGeometry() {
 template <typename F>
 ffi::Error ByForwardGeometry(const CfcDims& d, F&& f) {
   if (UseFixedGeometry() && d.L == 1) {
-    if (d.C == 4 && d.kcb == 24 && d.Sb == 8 && d.kch == 64 && d.Sh == 2) return f(cfc_fwd_reg_kernel<4, 24, 8, 64, 2>);
-    if (d.C == 1 && d.kcb == 16 && d.Sb == 4 && d.kch == 32 && d.Sh == 2) return f(cfc_fwd_reg_kernel<1, 16, 4, 32, 2>);
+    // (the fixed instances compute four heads a lane: nh = 4)
+    if (d.nh == 4 && d.C == 4 && d.kcb == 24 && d.Sb == 8 && d.kch == 16 && d.Sh == 8)
+      return f(cfc_fwd_reg_kernel<4, 24, 8, 16, 8>);
+    if (d.nh == 4 && d.C == 1 && d.kcb == 16 && d.Sb == 4 && d.kch == 8 && d.Sh == 8)
+      return f(cfc_fwd_reg_kernel<1, 16, 4, 8, 8>);
   }
   return ByCluster(d, [&](auto C) { return f(cfc_fwd_reg_kernel<C()>); });
 }

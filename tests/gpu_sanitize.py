@@ -6,7 +6,8 @@ Usage on the GPU machine:
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
 
 Runs one small cfc_scan forward + backward per mode (backbone depths 0, 1 and 2, odd sizes; depth 1 at H = 64
-and H = 128 too, where the register kernels run in clusters of 2 and 4 CTAs; plus a vmapped call) and
+and H = 128 too, where the register kernels run in clusters of 2 and 4 CTAs, and at the benchmark's and the main
+job's sizes, whose geometries are compiled in; plus a vmapped call) and
 reduce_axis0 on shapes that take the single-range and the multi-range (chunks > 1) paths, checks the values
 against NumPy, and prints OK at the end. Exits non-zero when the kernels are not available (nothing would be
 sanitized).
@@ -54,7 +55,10 @@ def main() -> int:
         print(f"jaxfox kernels unavailable: {jaxfox.kernels_unavailable_reason()}", file=sys.stderr)
         return 2
 
-    sizes = [dict(), dict(B=2, T=4, I=16, H=64, U=40), dict(B=2, T=4, I=16, H=128, U=128)]
+    # ... and the two geometries compiled with fixed trip counts (ffi/cfc.cu ByForwardGeometry / ByBackwardGeometry):
+    # the benchmark's (C = 4) and the main job's (C = 1)
+    sizes = [dict(), dict(B=2, T=4, I=16, H=64, U=40), dict(B=2, T=4, I=16, H=128, U=128),
+             dict(B=2, T=3, I=48, H=128, U=128), dict(B=2, T=3, I=32, H=32, U=64)]
     for mode in ("default", "no_gate", "pure"):
         for layers, size in [(0, sizes[0]), (2, sizes[0])] + [(1, z) for z in sizes]:
             args = _cfc_case(mode, layers, **size)
