@@ -14,12 +14,13 @@
 // Two forward kernels: cfc_fwd_kernel (weights in shared memory or L2, any backbone depth) and, for
 // depth <= 1 when each thread's dot products are long enough (UseRegForward), cfc_fwd_reg_kernel
 // (weights in registers, k-splits summed with warp shuffles; 777 against 856 us at B=32 T=256 I=48
-// H=U=128 on the H200).
+// H=U=128 on the H200). Both register kernels are compiled with fixed trip counts for the benchmark's and
+// the main job's geometries (ByForwardGeometry / ByBackwardGeometry): forward 713 -> 531 us there.
 //
 // Backward: one reverse-time launch computes input gradients and the pre-activation gradients of
 // every step (workspace outputs): cfc_bwd_reg_kernel (one backbone layer, when RegBackwardPlan fits:
-// weights in registers, slices all-gathered; 1.747 against 1.895 ms fwd+bwd at the bench shape, and
-// the main job's training step 590 against 654 us, on the H200) or cfc_bwd_kernel (any depth). A tiled
+// weights in registers, slices all-gathered; fwd+bwd 1.350 ms at the bench shape with the fixed geometries, 1.895 ms
+// with cfc_bwd_kernel and the run-time ones, on the H200) or cfc_bwd_kernel (any depth). A tiled
 // kernel then forms each sample's parameter-gradient partial sum_t input_t^T dpre_t (fixed t order)
 // into [B, P], and reduce_axis0 sums those over B.
 #include <cooperative_groups.h>
