@@ -815,7 +815,7 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     } else {
       hv = GroupSum(RegDot(hin + ph0, wh, nhk), Sh) + bias_h;
     }
-    if (has_h && sph % hq == 0) *prep = hv;
+    if (has_h && (quad ? sph % hq == 0 : sph == 0)) *prep = hv;  // one lane a head
     float h;
     if (d.mode == kPure) {  // one head: this lane holds the unit's pre-activation
       h = -Ap * expf(-tst * (wtau + fabsf(hv))) * hv + Ap;
