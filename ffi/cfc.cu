@@ -1410,8 +1410,8 @@ __global__ void __launch_bounds__(256)
 cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const float* __restrict__ h0,
                  const float* __restrict__ hs, const float* __restrict__ acts, const float* __restrict__ dsrc,
                  float* __restrict__ partials) {
-  __shared__ __align__(16) float As[kTT][kTile];
-  __shared__ __align__(16) float Ds[kTT][kTile];
+  __shared__ __align__(16) float As[2][kTT][kTile];  // double-buffered by chunk parity
+  __shared__ __align__(16) float Ds[2][kTT][kTile];
   const int64_t sb = blockIdx.x;  // samples on x (up to 2^31 - 1), output tiles on y
   const int ntn = (g.N + kTile - 1) / kTile;
   const int k_base = (blockIdx.y / ntn) * kTile, n_base = (blockIdx.y % ntn) * kTile;
@@ -1419,31 +1419,41 @@ cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const floa
   const int T = int(d.T), I = d.I, H = d.H;
   float acc[4][4] = {}, bacc[4] = {};
   const bool bias = k_base == 0 && ty == 0;
-  for (int t0 = 0; t0 < T; t0 += kTT) {
+  // Chunk t0 .. t0 + kTT of A and D into buffer buf with cp.async (zeros outside the matrices); the next chunk's
+  // copies are in flight while the current chunk's products run (the sums are the same as without the overlap).
+  auto stage = [&](int t0, int buf) {
 #pragma unroll
     for (int r = 0; r < (kTT * kTile) / 256; ++r) {
       const int e = tid + r * 256, tt = e / kTile, kk = e % kTile;
       const int t = t0 + tt, k = k_base + kk, n = n_base + kk;
-      float a = 0.f, dv = 0.f;
-      if (t < T) {
-        const int64_t row = sb * T + t;
-        if (k < g.K) {
-          if (g.a_layer < 0) {
-            a = k < I ? xs[row * I + k] : (t > 0 ? hs[(row - 1) * H + (k - I)] : h0[sb * H + (k - I)]);
-          } else {
-            a = acts[row * d.L * d.U + g.a_layer * d.U + k];
-          }
+      const int64_t row = sb * T + t;
+      const bool a_ok = t < T && k < g.K, d_ok = t < T && n < g.N;
+      const float* asrc = dsrc;
+      if (a_ok) {
+        if (g.a_layer < 0) {
+          asrc = k < I ? xs + row * I + k : (t > 0 ? hs + (row - 1) * H + (k - I) : h0 + sb * H + (k - I));
+        } else {
+          asrc = acts + row * d.L * d.U + g.a_layer * d.U + k;
         }
-        if (n < g.N) dv = dsrc[row * g.d_ld + g.d_off + n];
       }
-      As[tt][kk] = a;
-      Ds[tt][kk] = dv;
+      CpAsync4(&As[buf][tt][kk], asrc, a_ok);
+      CpAsync4(&Ds[buf][tt][kk], d_ok ? dsrc + row * g.d_ld + g.d_off + n : dsrc, d_ok);
+    }
+    CpAsyncCommit();
+  };
+  stage(0, 0);
+  for (int t0 = 0, buf = 0; t0 < T; t0 += kTT, buf ^= 1) {
+    if (t0 + kTT < T) {
+      stage(t0 + kTT, buf ^ 1);  // the buffer the previous chunk read (all reads done: the barrier below)
+      CpAsyncWaitGroup<1>();
+    } else {
+      CpAsyncWaitAll();
     }
     __syncthreads();
 #pragma unroll
     for (int tt = 0; tt < kTT; ++tt) {
-      const float4 a4 = *reinterpret_cast<const float4*>(&As[tt][ty * 4]);
-      const float4 d4 = *reinterpret_cast<const float4*>(&Ds[tt][tx * 4]);
+      const float4 a4 = *reinterpret_cast<const float4*>(&As[buf][tt][ty * 4]);
+      const float4 d4 = *reinterpret_cast<const float4*>(&Ds[buf][tt][tx * 4]);
       const float av[4] = {a4.x, a4.y, a4.z, a4.w}, dv[4] = {d4.x, d4.y, d4.z, d4.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i)
