@@ -19,7 +19,7 @@
 //
 // Backward: one reverse-time launch computes input gradients and the pre-activation gradients of
 // every step (workspace outputs): cfc_bwd_reg_kernel (one backbone layer, when RegBackwardPlan fits:
-// weights in registers, slices all-gathered; fwd+bwd 1.350 ms at the bench shape with the fixed geometries, 1.895 ms
+// weights in registers, slices all-gathered; fwd+bwd 1.343 ms at the bench shape with the fixed geometries, 1.895 ms
 // with cfc_bwd_kernel and the run-time ones, on the H200) or cfc_bwd_kernel (any depth). A tiled
 // kernel then forms each sample's parameter-gradient partial sum_t input_t^T dpre_t (fixed t order)
 // into [B, P], and reduce_axis0 sums those over B.
