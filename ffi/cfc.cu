@@ -15,7 +15,7 @@
 // depth <= 1 when each thread's dot products are long enough (UseRegForward), cfc_fwd_reg_kernel
 // (weights in registers, k-splits summed with warp shuffles; 777 against 856 us at B=32 T=256 I=48
 // H=U=128 on the H200). Both register kernels are compiled with fixed trip counts for the benchmark's and
-// the main job's geometries (ByForwardGeometry / ByBackwardGeometry): forward 713 -> 531 us there.
+// the main job's geometries (ByForwardGeometry / ByBackwardGeometry): forward 713 -> 513 us there.
 //
 // Backward: one reverse-time launch computes input gradients and the pre-activation gradients of
 // every step (workspace outputs): cfc_bwd_reg_kernel (one backbone layer, when RegBackwardPlan fits:
@@ -674,7 +674,7 @@ __device__ __forceinline__ float QuadSum(const float (&a)[4], int sp, int S) {
   return k;
 }
 
-// Geometry fixed at compile time (FixedGeometry; KH = 0: read from CfcDims at run time). With it the register
+// Geometry fixed at compile time (ByForwardGeometry picks it; KH = 0: read from CfcDims at run time). With it the register
 // products are straight-line code: fixed trip counts, unpredicated loads (RegForwardPlan pads the split layouts
 // with zeros to whole splits for every lane, and a lane's weights past its inputs are 0) and unrolled shuffle trees.
 template <int C, int KB = 0, int SB = 0, int KH = 0, int SH = 0>
@@ -1632,13 +1632,16 @@ bool UseRegForward(const CfcDims& d) {
   return forced == 1 || d.kcb + d.nh * d.kch >= kRegMinInputs;
 }
 
+// An on-by-default switch: false only when the environment variable `name` starts with '0'.
+bool EnvSwitchOn(const char* name) {
+  const char* e = std::getenv(name);
+  return !(e && e[0] == '0');
+}
+
 // Whether the backward uses cfc_bwd_reg_kernel where RegBackwardPlan fits (default) or always cfc_bwd_kernel
 // (JAXFOX_CFC_REG_BWD=0, for A/B timing); read once per process.
 bool UseRegBackward() {
-  static const bool on = [] {
-    const char* e = std::getenv("JAXFOX_CFC_REG_BWD");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = EnvSwitchOn("JAXFOX_CFC_REG_BWD");
   return on;
 }
 
@@ -1662,13 +1665,11 @@ ffi::Error ByVariant(const CfcDims& d, F&& f) {
 
 // The register kernels' geometries compiled with fixed trip counts (cfc_fwd_reg_kernel<C, KB, SB, KH, SH>,
 // cfc_bwd_reg_kernel<C, K1, S1, K2, S2>): the benchmark's I=48 H=U=128 at C=4 and the main job's I=32 H=32 U=64
-// at C=1 (modes default and no_gate; the backward's also any mode whose plan gives the same numbers). Other sizes run the same kernels with the geometry read at
-// run time. JAXFOX_CFC_FIXED=0 runs the run-time geometry everywhere (A/B timing, tests); read once per process.
+// at C=1 (modes default and no_gate; the backward's also any mode whose plan gives the same numbers). Other sizes
+// run the same kernels with the geometry read at run time. JAXFOX_CFC_FIXED=0 runs the run-time geometry everywhere
+// (A/B timing, tests); read once per process.
 bool UseFixedGeometry() {
-  static const bool on = [] {
-    const char* e = std::getenv("JAXFOX_CFC_FIXED");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = EnvSwitchOn("JAXFOX_CFC_FIXED");
   return on;
 }
 
