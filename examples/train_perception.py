@@ -55,7 +55,8 @@ def parse_args(argv=None):
                    help="std of Gaussian noise added to the (z-scored) training inputs of every batch; 0 = off")
     p.add_argument("--max-features", type=int, default=None, help="use the first k of the 48 features")
     p.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed")
-    p.add_argument("--out", default="runs/perception", help="folder for curves.png and metrics.json")
+    p.add_argument("--out", default="runs/perception",
+                   help="folder for curves.png, vsn_weights.png (full model) and metrics.json")
     p.add_argument("--max-train-windows", type=int, default=None,
                    help="use only the most recent N training windows (quick runs)")
     args = p.parse_args(argv)
