@@ -26,7 +26,7 @@ __all__ = [
     "cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh",
     "attention_pool_init", "attention_pool",
     "branching_dueling_logits", "categorical_double_q_loss", "categorical_projection",
-    "per", "optim", "FlatParams", "fused_adamw", "ema_update", "cast_bf16",
+    "per", "optim", "sharding", "FlatParams", "fused_adamw", "ema_update", "cast_bf16",
     "grn_init", "grn", "vsn_init", "vsn",
     "iqn_head_init", "iqn_head", "iql_value_loss",
     "grouped_matmul", "grouped_matmul_stacked",

@@ -173,3 +173,21 @@ def test_notebook_executes(tmp_path, monkeypatch):
     import re
     m = re.search(r"max \|iqn_head - by hand\| = ([0-9.e+-]+)", text)
     assert m and float(m.group(1)) < 1e-5, text[-2000:]
+
+
+def test_public_namespaces_resolve_every_listed_name():
+    """`from jaxfox import *` and `from jaxfox.models import *` name only attributes that exist, and the aux
+    trainers are reachable from `jaxfox.models` without importing `jaxfox.models.aux` by hand."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import jaxfox, jaxfox.models as m\n"
+            "missing = [n for n in jaxfox.__all__ if not hasattr(jaxfox, n)]\n"
+            "missing += ['models.' + n for n in m.__all__ if not hasattr(m, n)]\n"
+            "assert not missing, missing\n"
+            "assert m.make_aux is m.aux.make_aux and 'sharding' in jaxfox.__all__\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
