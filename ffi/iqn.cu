@@ -11,6 +11,7 @@
 // the gradients are bitwise reproducible for a given grid, which the caller fixes (attr `grid`), not the
 // device. d psi of a sample is a sum over the sample's own rows, inside one tile.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -46,7 +47,8 @@ struct Layout {
   static constexpr int kWout = kBh + H;                        // w_out [H]
   static constexpr int kDz = kWout + H;                        // d z of the tile's rows [64]
   static constexpr int kRowSample = kDz + kMaxTileRows;        // row -> sample within the tile [64] (int)
-  static constexpr int kTotal = kRowSample + kMaxTileRows;
+  static constexpr int kRowLoss = kRowSample + kMaxTileRows;   // loss mode: each row's loss [64]
+  static constexpr int kTotal = kRowLoss + kMaxTileRows;
   // flat parameters (jaxfox/iqn.py _flatten): w_h, w_phi, b_phi, b_h, w_out, b_out, zero padding
   static constexpr int kPWh = 0;
   static constexpr int kPWphi = H * H;
@@ -62,12 +64,20 @@ struct Layout {
 
 // kBackward = false: z [B, N] from (w, psi, taus). kBackward: d psi [B, H], d taus [B, N] (kTaus) and the
 // block's parameter-gradient partial part[blockIdx.x] [kPpad] from (w, psi, taus, dz).
-template <int K, int H, bool kBackward, bool kTaus>
+// kLoss (with kBackward, without kTaus): d z is not read but computed in the tile from z and the sample's N'
+// target values, d z[b, i] = -dz_scale / kappa sum_j |tau_i - 1{delta < 0}| clip(delta, -kappa, kappa) with
+// delta = y[b, j] - z[b, i] and dz_scale = 1 / (B N'): the gradient of the quantile Huber loss
+// (1 / B) sum_b sum_i (1 / N') sum_j |tau_i - 1{delta < 0}| L_kappa(delta) / kappa (jaxfox.quantile_huber_loss);
+// each sample's loss term goes to loss_b[b].
+template <int K, int H, bool kBackward, bool kTaus, bool kLoss = false>
 __global__ void __launch_bounds__(kThreads, 1)
     iqn_head_kernel(const float* __restrict__ w, const float* __restrict__ psi, const float* __restrict__ taus,
                     const float* __restrict__ dz, int B, int N, int samples_per_tile, int tiles,
                     float* __restrict__ z, float* __restrict__ dpsi, float* __restrict__ dtaus,
-                    float* __restrict__ part) {
+                    float* __restrict__ part, const float* __restrict__ targets, int Nt, float kappa,
+                    float dz_scale, float* __restrict__ loss_b) {
+  static_assert(!kLoss || (kBackward && !kTaus), "the loss mode is a backward without d taus");
+  static_assert(!kLoss || kThreads == 4 * kMaxTileRows, "the loss pass runs 4 threads a row");
   using S = Layout<K, H, kBackward>;
   using RowT = WarpTile<kMaxTileRows / 16, H / 16>;  // [rows, H] products
   using CosT = WarpTile<kMaxTileRows / 16, K / 16>;  // [rows, K] product (d e)
@@ -110,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t row0n = static_cast<int64_t>(s0n) * N;
     if (my_r < nsn * N) {
       pf_tau = taus[row0n + my_r];
-      if (kBackward && tid % kPerRow == 0) pf_dz = dz[row0n + my_r];
+      if (kBackward && !kLoss && tid % kPerRow == 0) pf_dz = dz[row0n + my_r];
     }
 #pragma unroll
     for (int q = 0; q < kPf; ++q) {
@@ -154,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int q = 0; q < 16; ++q) dst[q] = 0.f;
         }
-        if (kBackward && c == 0) sm[S::kDz + r] = r < rows ? cur_dz : 0.f;
+        if (kBackward && !kLoss && c == 0) sm[S::kDz + r] = r < rows ? cur_dz : 0.f;
       }
       // the tile's psi rows -> the HP region (free until (d)): element e = tid + q * 256 is row e / H
 #pragma unroll
@@ -251,6 +261,53 @@ __global__ void __launch_bounds__(kThreads, 1)
         StoreRows(sm + S::kHp, kLH, acc, RowT::Row0(warp), RowT::Col0(warp), row_frags, lane);
       }
       __syncthreads();
+
+      if constexpr (kLoss) {
+        // (d') z of each row, its loss against the sample's N' targets and d z -> DZ, 4 threads a row (lanes
+        // 4r .. 4r + 3 of one warp), each summing every 4th column / target, added by two shuffles (the same
+        // sum in all 4 lanes). Rows are conflict-free: bank (4 r + p + 4 c') mod 32 over a warp's 8 rows.
+        const int r = tid >> 2, p = tid & 3;
+        const bool live = r < rows;
+        float v = 0.f;
+        if (live) {
+          const float* hp = sm + S::kHp + r * kLH;
+#pragma unroll 8
+          for (int c = p; c < H; c += 4) v = fmaf(Relu(hp[c] + sm[S::kBh + c]), sm[S::kWout + c], v);
+        }
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        const float zr = v + b_out;
+        float lsum = 0.f, gsum = 0.f;
+        if (live) {
+          const float tau = __ldg(taus + row0 + r);
+          const float* y = targets + (static_cast<int64_t>(s0) + row_sample[r]) * Nt;
+          for (int j = p; j < Nt; j += 4) {
+            const float delta = __ldg(y + j) - zr;
+            const float wt = fabsf(tau - (delta < 0.f ? 1.f : 0.f));
+            const float ad = fabsf(delta);
+            // L_kappa and its derivative; NaN fails both comparisons and propagates (as the reference)
+            const float hub = ad <= kappa ? 0.5f * delta * delta : kappa * (ad - 0.5f * kappa);
+            const float clip = ad <= kappa ? delta : (delta > 0.f ? kappa : (delta < 0.f ? -kappa : delta));
+            lsum = fmaf(wt, hub, lsum);
+            gsum = fmaf(wt, clip, gsum);
+          }
+        }
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+        gsum += __shfl_xor_sync(0xffffffffu, gsum, 1);
+        gsum += __shfl_xor_sync(0xffffffffu, gsum, 2);
+        if (p == 0 && r < 16 * row_frags) {
+          sm[S::kDz + r] = live ? -gsum / kappa * dz_scale : 0.f;
+          sm[S::kRowLoss + r] = live ? lsum / kappa / static_cast<float>(Nt) : 0.f;
+        }
+        __syncthreads();
+        // each sample's loss: its N row terms added in order (ROW LOSS is rewritten only after (e)-(i)'s barriers)
+        if (tid < ns) {
+          float acc = 0.f;
+          for (int i = 0; i < N; ++i) acc += sm[S::kRowLoss + tid * N + i];
+          loss_b[s0 + tid] = acc;
+        }
+      }
 
       // (e) h = ReLU(. + b_h), d h = d z w_out 1{h > 0} -> HP; column sums of d w_out, d b_h, d b_out
 #pragma unroll 4
@@ -425,9 +482,35 @@ ffi::Error IqnHeadFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
     const int grid = static_cast<int>(std::min<int64_t>(d.tiles, std::max(1, GetDeviceInfo().sm_count)));
     kernel<<<grid, kThreads, bytes, stream>>>(w.typed_data(), psi.typed_data(), taus.typed_data(), nullptr,
                                               static_cast<int>(d.B), static_cast<int>(d.N), static_cast<int>(d.spt),
-                                              static_cast<int>(d.tiles), z->typed_data(), nullptr, nullptr, nullptr);
+                                              static_cast<int>(d.tiles), z->typed_data(), nullptr, nullptr, nullptr,
+                                              nullptr, 0, 1.f, 0.f, nullptr);
     return LastCudaError("iqn_head_fwd");
   });
+}
+
+// The gradient outputs and workspaces of the backward and the loss: dw [P], d psi [B, H], partials [grid, P]
+// (grid in [1, min(tiles, 65535)] when B > 0) and chunk partials (>= chunks * P floats when chunks > 1).
+ffi::Error CheckGradOutputs(const Dims& d, int64_t H, int64_t ppad, int64_t grid, int64_t chunks,
+                            const ffi::Buffer<ffi::F32>& dw, const ffi::Buffer<ffi::F32>& dpsi,
+                            const ffi::Buffer<ffi::F32>& part, const ffi::Buffer<ffi::F32>& ws) {
+  auto wrong = [](const char* what, const ffi::Buffer<ffi::F32>& buf) {
+    return InvalidArgument(std::string("iqn_head: ") + what + ", got " + DimsToString(buf.dimensions()));
+  };
+  if (!HasShape(dw, {ppad})) return wrong("dw must be [P]", dw);
+  if (!HasShape(dpsi, {d.B, H})) return wrong("dpsi must be [B, H]", dpsi);
+  if (d.B == 0) return ffi::Error::Success();
+  if (grid < 1 || grid > d.tiles || grid > 65535) {
+    return InvalidArgument("iqn_head: grid must be in [1, min(tiles = " + std::to_string(d.tiles) +
+                           ", 65535)], got " + std::to_string(grid));
+  }
+  if (!HasShape(part, {grid, ppad})) return wrong("partials workspace must be [grid, P]", part);
+  if (chunks < 1 || chunks > grid) return InvalidArgument("iqn_head: chunks must be in [1, grid]");
+  const int64_t need = chunks > 1 ? chunks * ppad : 0;
+  if (static_cast<int64_t>(ws.element_count()) < need) {
+    return InvalidArgument("iqn_head: workspace has " + std::to_string(ws.element_count()) + " elements, needs " +
+                           std::to_string(need));
+  }
+  return ffi::Error::Success();
 }
 
 // FFI target jaxfox_iqn_head_bwd: (w, psi, taus, dz [B, N]) -> dw [P], d psi [B, H], d taus [B, N] or [0]
@@ -443,32 +526,17 @@ ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
     using S = Layout<K, H, true>;
     Dims d;
     JAXFOX_RETURN_IF_ERROR(CheckInputs(w, psi, taus, n_cos, hidden, n_quantiles, S::kPpad, &d));
-    auto wrong = [](const char* what, const auto& buf) {
-      return InvalidArgument(std::string("iqn_head: ") + what + ", got " + DimsToString(buf.dimensions()));
-    };
-    if (!HasShape(dz, {d.B, d.N})) return wrong("dz must be [B, N]", dz);
-    if (!HasShape(*dw, {S::kPpad})) return wrong("dw must be [P]", *dw);
-    if (!HasShape(*dpsi, {d.B, H})) return wrong("dpsi must be [B, H]", *dpsi);
+    if (!HasShape(dz, {d.B, d.N})) {
+      return InvalidArgument("iqn_head: dz must be [B, N], got " + DimsToString(dz.dimensions()));
+    }
     const bool want_taus = !HasShape(*dtaus, {0});
     if (want_taus && !HasShape(*dtaus, {d.B, d.N})) {
       return InvalidArgument("iqn_head: dtaus must be [B, N] or [0], got " + DimsToString(dtaus->dimensions()));
     }
+    JAXFOX_RETURN_IF_ERROR(CheckGradOutputs(d, H, S::kPpad, grid, chunks, *dw, *dpsi, *part, *ws));
     if (d.B == 0) {
       cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * S::kPpad, stream);
       return LastCudaError("iqn_head_bwd (B = 0)");
-    }
-    if (grid < 1 || grid > d.tiles || grid > 65535) {
-      return InvalidArgument("iqn_head: grid must be in [1, min(tiles = " + std::to_string(d.tiles) +
-                             ", 65535)], got " + std::to_string(grid));
-    }
-    if (!HasShape(*part, {grid, S::kPpad})) {
-      return InvalidArgument("iqn_head: partials workspace must be [grid, P], got " + DimsToString(part->dimensions()));
-    }
-    if (chunks < 1 || chunks > grid) return InvalidArgument("iqn_head: chunks must be in [1, grid]");
-    const int64_t need = chunks > 1 ? chunks * S::kPpad : 0;
-    if (static_cast<int64_t>(ws->element_count()) < need) {
-      return InvalidArgument("iqn_head: workspace has " + std::to_string(ws->element_count()) + " elements, needs " +
-                             std::to_string(need));
     }
     auto kernel = want_taus ? iqn_head_kernel<K, H, true, true> : iqn_head_kernel<K, H, true, false>;
     const int64_t bytes = int64_t{S::kTotal} * 4;
@@ -476,8 +544,53 @@ ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
     kernel<<<static_cast<int>(grid), kThreads, bytes, stream>>>(
         w.typed_data(), psi.typed_data(), taus.typed_data(), dz.typed_data(), static_cast<int>(d.B),
         static_cast<int>(d.N), static_cast<int>(d.spt), static_cast<int>(d.tiles), nullptr, dpsi->typed_data(),
-        want_taus ? dtaus->typed_data() : nullptr, part->typed_data());
+        want_taus ? dtaus->typed_data() : nullptr, part->typed_data(), nullptr, 0, 1.f, 0.f, nullptr);
     JAXFOX_RETURN_IF_ERROR(LastCudaError("iqn_head_bwd"));
+    return LaunchReduceAxis0(stream, part->typed_data(), 1, grid, S::kPpad, chunks,
+                             chunks > 1 ? ws->typed_data() : nullptr, dw->typed_data());
+  });
+}
+
+// FFI target jaxfox_iqn_loss: (w, psi, taus [B, N], targets [B, N']) -> the per-sample quantile Huber loss
+// loss_b [B] of z = iqn_head(w, psi, taus) against the targets, and its gradient (of the batch mean
+// (1 / B) sum_b loss_b) dw [P], d psi [B, H], with the backward's workspaces: ONE launch computes z, the
+// loss, d z and the backward (the forward kernel's z is never needed), then the partials' ordered sum.
+ffi::Error IqnLossImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> psi,
+                       ffi::Buffer<ffi::F32> taus, ffi::Buffer<ffi::F32> targets, int64_t n_cos, int64_t hidden,
+                       int64_t n_quantiles, int64_t chunks, int64_t grid, float kappa,
+                       ffi::ResultBuffer<ffi::F32> loss_b, ffi::ResultBuffer<ffi::F32> dw,
+                       ffi::ResultBuffer<ffi::F32> dpsi, ffi::ResultBuffer<ffi::F32> part,
+                       ffi::ResultBuffer<ffi::F32> ws) {
+  ClearStaleCudaError();
+  return ByShape(n_cos, hidden, [&](auto kc, auto hc) -> ffi::Error {
+    constexpr int K = decltype(kc)::value, H = decltype(hc)::value;
+    using S = Layout<K, H, true>;
+    Dims d;
+    JAXFOX_RETURN_IF_ERROR(CheckInputs(w, psi, taus, n_cos, hidden, n_quantiles, S::kPpad, &d));
+    if (targets.dimensions().size() != 2 || targets.dimensions()[0] != d.B || targets.dimensions()[1] < 1) {
+      return InvalidArgument("iqn_loss: targets must be [B, N'] with B = " + std::to_string(d.B) +
+                             " and N' >= 1, got " + DimsToString(targets.dimensions()));
+    }
+    const int64_t nt = targets.dimensions()[1];
+    if (d.B * nt > 0x7fffffff) return InvalidArgument("iqn_loss: B * N' must be < 2^31");
+    if (!(kappa > 0.f) || !std::isfinite(kappa)) return InvalidArgument("iqn_loss: kappa must be finite and > 0");
+    if (!HasShape(*loss_b, {d.B})) {
+      return InvalidArgument("iqn_loss: loss_b must be [B], got " + DimsToString(loss_b->dimensions()));
+    }
+    JAXFOX_RETURN_IF_ERROR(CheckGradOutputs(d, H, S::kPpad, grid, chunks, *dw, *dpsi, *part, *ws));
+    if (d.B == 0) {
+      cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * S::kPpad, stream);
+      return LastCudaError("iqn_loss (B = 0)");
+    }
+    auto kernel = iqn_head_kernel<K, H, true, false, true>;
+    const int64_t bytes = int64_t{S::kTotal} * 4;
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem("iqn_loss", kernel, bytes));
+    const float dz_scale = static_cast<float>(1.0 / (static_cast<double>(d.B) * static_cast<double>(nt)));
+    kernel<<<static_cast<int>(grid), kThreads, bytes, stream>>>(
+        w.typed_data(), psi.typed_data(), taus.typed_data(), nullptr, static_cast<int>(d.B), static_cast<int>(d.N),
+        static_cast<int>(d.spt), static_cast<int>(d.tiles), nullptr, dpsi->typed_data(), nullptr, part->typed_data(),
+        targets.typed_data(), static_cast<int>(nt), kappa, dz_scale, loss_b->typed_data());
+    JAXFOX_RETURN_IF_ERROR(LastCudaError("iqn_loss"));
     return LaunchReduceAxis0(stream, part->typed_data(), 1, grid, S::kPpad, chunks,
                              chunks > 1 ? ws->typed_data() : nullptr, dw->typed_data());
   });
@@ -513,6 +626,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iqn_head_bwd, jaxfox::IqnHeadBwdImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dw [P]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dpsi [B, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dtaus [B, N] or [0]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: per-block partials
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iqn_loss, jaxfox::IqnLossImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w [P]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // psi [B, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // taus [B, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // targets [B, N']
+                                  .Attr<int64_t>("n_cos")
+                                  .Attr<int64_t>("hidden")
+                                  .Attr<int64_t>("n_quantiles")
+                                  .Attr<int64_t>("chunks")
+                                  .Attr<int64_t>("grid")
+                                  .Attr<float>("kappa")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // loss_b [B]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dw [P]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dpsi [B, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: per-block partials
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -11,7 +11,7 @@ from jaxfox import optim, per, sharding
 from jaxfox.optim import FlatParams, cast_bf16, ema_update, fused_adamw
 from jaxfox.gemm import grouped_matmul, grouped_matmul_stacked
 from jaxfox.grn import grn, grn_init
-from jaxfox.iqn import iqn_head, iqn_head_init
+from jaxfox.iqn import iqn_head, iqn_head_init, iqn_quantile_huber_loss
 from jaxfox.iql import iql_value_loss
 from jaxfox.losses import cql_penalty, expectile_loss, quantile_embedding, quantile_huber_loss
 from jaxfox.concurrency import concurrent_command_buffers_enabled, enable_concurrent_command_buffers
@@ -28,7 +28,7 @@ __all__ = [
     "branching_dueling_logits", "categorical_double_q_loss", "categorical_projection",
     "per", "optim", "sharding", "FlatParams", "fused_adamw", "ema_update", "cast_bf16",
     "grn_init", "grn", "vsn_init", "vsn",
-    "iqn_head_init", "iqn_head", "iql_value_loss",
+    "iqn_head_init", "iqn_head", "iqn_quantile_huber_loss", "iql_value_loss",
     "grouped_matmul", "grouped_matmul_stacked",
     "expectile_loss", "quantile_huber_loss", "quantile_embedding", "cql_penalty",
     "enable_concurrent_command_buffers", "concurrent_command_buffers_enabled",

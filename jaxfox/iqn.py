@@ -27,6 +27,13 @@ The kernels cover H in {64, 128}, K (= n_cos) in {32, 64} and 1 <= N <= 64; othe
 reference on CUDA too, as do GPUs whose shared memory per block is smaller than the kernels' layout (up to
 220 KiB at n_cos = 64, H = 128: compute capability 9.0 and 10.x have 227 KiB; 8.0 fits only H = 64) and
 batches of 2^31 rows or more. Under ``jax.vmap`` the kernel runs once per instance (``vmap_method="sequential"``).
+
+:func:`iqn_quantile_huber_loss` is the IQN training loss of this head, ``quantile_huber_loss(iqn_head(...), taus,
+targets, kappa)``, with its gradient fused on CUDA: under ``jax.grad`` the composition runs the forward kernel
+(for z) and then the backward kernel, which recomputes the forward; the fused kernel (``jaxfox_iqn_loss``) runs
+the backward kernel alone, computing z, the loss and d z inside each tile (a tile holds whole samples, so all
+N x N' pairs of a sample are in it). It is opt-in (``JAXFOX_OPT_IN_KERNELS=iqn_loss``) until it is measured on a
+GPU; without the opt-in the composition runs (with the head's kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -38,12 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import cuda_compute_capability, dispatch, smem_per_block_limit, ffi_call as _ffi_call, psum_to_match
+from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match,
+                         smem_per_block_limit)
 from jaxfox._validate import check_array, positive_int as _positive_int
-from jaxfox.losses import quantile_embedding
+from jaxfox.losses import check_kappa, quantile_embedding, quantile_huber_loss
 from jaxfox.reduce import reduce_chunks
 
-__all__ = ["iqn_head_init", "iqn_head"]
+__all__ = ["iqn_head_init", "iqn_head", "iqn_quantile_huber_loss"]
 
 _PARAM_KEYS = ("w_phi", "b_phi", "w_h", "b_h", "w_out", "b_out")
 _KERNEL_H = (64, 128)      # hidden sizes with a kernel instantiation (ffi/iqn.cu)
@@ -122,6 +130,11 @@ def _attrs(cfg):
     return dict(n_cos=np.int64(cfg.n_cos), hidden=np.int64(cfg.hidden), n_quantiles=np.int64(cfg.n_quantiles))
 
 
+def _grid(B, N):
+    """Blocks of the backward and loss launches (fixed, so that the gradients' summation order is too)."""
+    return min(_tiles(B, N), _GRID_CTAS)
+
+
 def _fwd_call(cfg, flat, psi, taus):
     B, N = taus.shape
     return _ffi_call("jaxfox_iqn_head_fwd", jax.ShapeDtypeStruct((B, N), jnp.float32),
@@ -147,7 +160,7 @@ def _head_kernel_bwd(cfg, res, dz):
     if isinstance(dz, jax.custom_derivatives.SymbolicZero):
         return (None, None, None)
     P = flat.shape[0]
-    G = min(_tiles(B, N), _GRID_CTAS)
+    G = _grid(B, N)
     chunks = reduce_chunks(G, P)
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((P,), f32),                               # d flat (reduced)
@@ -166,7 +179,7 @@ _head_kernel.defvjp(_head_kernel_fwd, _head_kernel_bwd, symbolic_zeros=True)
 def _smem_bytes(K, H, backward):
     """Dynamic shared memory of a kernel instantiation (ffi/iqn.cu Layout<K, H, backward>::kTotal floats)."""
     lh, lk, lw = H + 4, K + 4, (H + 4 if backward else H + 8)
-    return 4 * ((H + K) * lw + _MAX_TILE_ROWS * lk + 3 * _MAX_TILE_ROWS * lh + 3 * H + 2 * _MAX_TILE_ROWS)
+    return 4 * ((H + K) * lw + _MAX_TILE_ROWS * lk + 3 * _MAX_TILE_ROWS * lh + 3 * H + 3 * _MAX_TILE_ROWS)
 
 
 def _kernel_supported(cfg, B):
@@ -219,3 +232,124 @@ def iqn_head(params, psi, taus):
         return _head_kernel(cfg, _flatten(params), psi, taus)
 
     return dispatch(kernel, _reference, params, psi, taus, batch=(False, True, True))
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused loss: one FFI call returns the per-sample losses and the gradient of their batch mean; the
+# gradient is the custom_vjp residual and the backward scales it by the cotangent (as jaxfox.iql_value_loss).
+class _LossConfig(NamedTuple):
+    n_cos: int
+    hidden: int
+    n_quantiles: int
+    kappa: float
+
+
+def _loss_call(cfg, flat, psi, taus, y):
+    """(mean loss, d flat, d psi) of the batch-mean loss, from ONE kernel launch (+ the partials' ordered sum)."""
+    B, N = taus.shape
+    P = flat.shape[0]
+    G = _grid(B, N)
+    chunks = reduce_chunks(G, P)
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((B,), f32),                               # loss_b: each sample's loss
+           jax.ShapeDtypeStruct((P,), f32),                               # d flat (reduced)
+           jax.ShapeDtypeStruct((B, cfg.hidden), f32),                    # d psi
+           jax.ShapeDtypeStruct((G, P), f32),                             # workspace: per-block partials
+           jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))  # workspace: chunk partials
+    loss_b, dflat, dpsi, *_ = _ffi_call("jaxfox_iqn_loss", out, vmap_method="sequential")(
+        flat, psi, taus, y, chunks=np.int64(chunks), grid=np.int64(G), kappa=np.float32(cfg.kappa), **_attrs(cfg))
+    return jnp.mean(loss_b), dflat, dpsi
+
+
+def _composed_kernel(cfg, flat, psi, taus, y):
+    """The same loss as quantile_huber_loss over the head's own kernels (for d taus / d targets)."""
+    return quantile_huber_loss(_head_kernel(_Config(cfg.n_cos, cfg.hidden, cfg.n_quantiles), flat, psi, taus), taus, y,
+                               cfg.kappa)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loss_kernel(cfg, flat, psi, taus, y):
+    return _loss_call(cfg, flat, psi, taus, y)[0]
+
+
+def _loss_kernel_fwd(cfg, flat, psi, taus, y):
+    # symbolic_zeros: the primals arrive as CustomVJPPrimal. The fused kernel gives d flat and d psi only; when
+    # taus or the targets are differentiated too (rare: sampled fractions, stop_gradient-ed targets), the
+    # composition of the head's kernels and the XLA loss runs instead, and its VJP is the residual.
+    if taus.perturbed or y.perturbed:
+        loss, pullback = jax.vjp(functools.partial(_composed_kernel, cfg), flat.value, psi.value, taus.value, y.value)
+        return loss, (None, None, pullback, flat.value, psi.value, taus.value, y.value)
+    loss, dflat, dpsi = _loss_call(cfg, flat.value, psi.value, taus.value, y.value)
+    return loss, (dflat, dpsi, None, flat.value, psi.value, taus.value, y.value)
+
+
+def _loss_kernel_bwd(cfg, res, g):
+    dflat, dpsi, pullback, flat, psi, taus, y = res
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return (None,) * 4
+    if pullback is not None:
+        grads = pullback(g)
+    else:
+        grads = (g * dflat, g * dpsi, None, None)
+    return psum_to_match(grads, (flat, psi, taus, y))
+
+
+_loss_kernel.defvjp(_loss_kernel_fwd, _loss_kernel_bwd, symbolic_zeros=True)
+
+
+def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
+    """The IQN loss of :func:`iqn_head`: ``quantile_huber_loss(iqn_head(params, psi, taus), taus, target_quantiles,
+    kappa)``, with the gradient fused on CUDA.
+
+    Args:
+      params: from :func:`iqn_head_init` (see :func:`iqn_head`), float32.
+      psi: [B, H] float32, the state embeddings (already through their ReLU).
+      taus: [B, N] float32, the fractions of the N online quantiles of each sample.
+      target_quantiles: [B, N'] float32, the N' target samples of each sample (in IQN r + gamma Z'_tau'(s', a*),
+        usually ``jax.lax.stop_gradient``-ed).
+      kappa: the Huber threshold, a Python float > 0 (IQN uses 1).
+
+    Returns:
+      float32 scalar: (1 / B) sum_b sum_i (1 / N') sum_j |tau_i - 1{delta_ij < 0}| L_kappa(delta_ij) / kappa with
+      delta_ij = target_j - z_i and z = iqn_head(params, psi, taus) (:func:`jaxfox.quantile_huber_loss`'s
+      conventions: the indicator carries no gradient).
+
+    Differentiable (reverse mode) in params, psi, taus and target_quantiles. With ``JAXFOX_OPT_IN_KERNELS=iqn_loss``
+    on CUDA (kernel shapes as :func:`iqn_head`), ONE kernel launch computes z, the loss, d z and the gradient with
+    respect to params and psi (the backward of the head, which recomputes z from its inputs): the gradient is
+    computed in the forward call and kept as the residual, so a forward alone pays for it too. When taus or the
+    targets are differentiated, the composition (the head's kernels and the XLA loss) runs instead. Products in
+    TF32 as :func:`iqn_head`; forward mode only off the kernel path. Without the opt-in, and off CUDA, the
+    composition runs (the head's own kernels on CUDA).
+
+    Source: Dabney et al. 2018 (IQN), eq. (3), (4) and (10); dopamine ``implicit_quantile_agent`` (OPS.md "Losses").
+
+    Raises:
+      TypeError: psi, taus, target_quantiles or a parameter is not float32; kappa is not a number.
+      ValueError: params is not an iqn_head_init dict, a shape does not match (the message names the argument,
+        the expected and the actual shape), B = 0, N' = 0, or kappa is not a finite float > 0.
+    """
+    K, H = _check_params(params)
+    check_array("psi", psi, (None, H))
+    B = psi.shape[0]
+    check_array("taus", taus, (B, None))
+    check_array("target_quantiles", target_quantiles, (B, None))
+    kappa = check_kappa(kappa)
+    N, Nt = taus.shape[1], target_quantiles.shape[1]
+    if B == 0 or Nt == 0:
+        raise ValueError(f"psi must have at least one row and target_quantiles at least one column (the loss is "
+                         f"a mean over both), got psi {tuple(psi.shape)}, target_quantiles "
+                         f"{tuple(target_quantiles.shape)}")
+
+    def reference(params, psi, taus, y):
+        return quantile_huber_loss(_reference(params, psi, taus), taus, y, kappa)
+
+    cfg = _LossConfig(K, H, N, kappa)
+    if (N == 0 or not kernel_opted_in("iqn_loss") or not _kernel_supported(_Config(K, H, N), B)
+            or B * Nt >= 2**31):
+        return quantile_huber_loss(iqn_head(params, psi, taus), taus, target_quantiles, kappa)
+
+    def kernel(params, psi, taus, y):
+        return _loss_kernel(cfg, _flatten(params), psi, taus, y)
+
+    return dispatch(kernel, reference, params, psi, taus, target_quantiles)

@@ -126,6 +126,15 @@ def _huber(d, kappa):
     return jnp.where(a <= kappa, 0.5 * d * d, kappa * (a - 0.5 * kappa))
 
 
+def check_kappa(kappa):
+    """The Huber threshold as a Python float; TypeError if not a number, ValueError if not finite and > 0."""
+    if not _is_python_number(kappa):
+        raise TypeError(f"kappa must be a float, got {type(kappa).__name__}")
+    if not (math.isfinite(float(kappa)) and float(kappa) > 0):
+        raise ValueError(f"kappa must be a finite float > 0, got {kappa!r}")
+    return float(kappa)
+
+
 def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, per_sample=False):
     """Quantile Huber loss of IQN between N online quantile values and N' target samples per state.
 
@@ -171,11 +180,7 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
                          f"{tuple(target_quantiles.shape)}")
     if tuple(taus.shape) not in ((B, N), (N,)):
         raise ValueError(f"taus must have shape [B, N] = [{B}, {N}] or [N] = [{N}], got {tuple(taus.shape)}")
-    if not _is_python_number(kappa):
-        raise TypeError(f"kappa must be a float, got {type(kappa).__name__}")
-    if not (math.isfinite(float(kappa)) and float(kappa) > 0):
-        raise ValueError(f"kappa must be a finite float > 0, got {kappa!r}")
-    kappa = float(kappa)
+    kappa = check_kappa(kappa)
     f32 = jnp.float32
     z = online_quantiles.astype(f32)
     t = jnp.broadcast_to(taus.astype(f32), (B, N))

@@ -7,7 +7,9 @@ Cases (B, N, K, H): (5, 24, 32, 64): 2 samples per tile, 3 tiles, the last one p
 (7, 17, 64, 128): 3 samples of 17 rows per tile (51 rows, not a multiple of 16), the last tile partial;
 (150, 32, 64, 128): 75 backward blocks, a chunked parameter-gradient reduction (reduce_chunks > 1);
 (600, 32, 32, 128) and (1201, 16, 64, 64): more tiles than the 132 blocks, so blocks walk several tiles.
-Each runs the forward alone, and forward + backward with and without d taus, blocks until ready, and
+Each runs the forward alone, forward + backward with and without d taus, and the fused loss
+(jaxfox.iqn_quantile_huber_loss, kernel jaxfox_iqn_loss, opted in below; N' = N + 3 targets a sample), blocks
+until ready, and
 checks the values against the float64 NumPy oracle of tests/test_iqn.py (norm-wise relative error <= 5e-3 for z and
 every gradient, the TF32 tolerance). That tolerance holds only where TF32 rounding cannot move a pre-activation
 across its ReLU kink (a flipped mask changes a gradient by a full-size term; at He init the gradients differ
@@ -28,6 +30,7 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # one cudaMalloc per buffer (not XLA's pool), so that memcheck sees a read or write just past a buffer's end
 os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+os.environ.setdefault("JAXFOX_OPT_IN_KERNELS", "iqn_loss")  # the fused loss kernel is opt-in
 if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 
@@ -41,8 +44,8 @@ def case(B, N, K, H, seed=0):
     # the exact-math inputs, checks and float64 oracle of the tests (imported only once the kernels are known
     # to be available: test_gpu_iqn skips itself at import otherwise)
     from conftest import rel_err
-    from test_gpu_iqn import FWD, BWD, TOL, _assert_close, _assert_far_from_kinks, _exact_inputs
-    from test_iqn import np_iqn_forward, np_iqn_vjp
+    from test_gpu_iqn import FWD, BWD, LOSS, TOL, _assert_close, _assert_far_from_kinks, _exact_inputs, _fused_grad
+    from test_iqn import make_targets, np_iqn_forward, np_iqn_loss, np_iqn_vjp
 
     p, psi, taus, dz = _exact_inputs(B, N, K, H, seed)
     _assert_far_from_kinks(p, psi, taus)
@@ -69,6 +72,16 @@ def case(B, N, K, H, seed=0):
         got = jax.device_get(jax.block_until_ready(compiled(p, psi, taus, dz)))
         _assert_close(got, want, TOL, f"fwd+bwd {name}")
         print(f"iqn_head fwd+bwd {name} B={B} N={N} K={K} H={H}: ok", flush=True)
+
+    y = jax.numpy.asarray(wz.mean(axis=1, keepdims=True) + make_targets(B, N + 3, seed=B), jax.numpy.float32)
+    loss_want, dz, _, _ = np_iqn_loss(p, psi, taus, y, 1.0)
+    lp, lpsi, _ = np_iqn_vjp(p, psi, taus, dz)
+    compiled = jax.jit(_fused_grad).lower(p, psi, taus, y).compile()
+    assert LOSS in compiled.as_text(), "fused loss kernel not taken"
+    loss, g = jax.device_get(jax.block_until_ready(compiled(p, psi, taus, y)))
+    assert abs(float(loss) - loss_want) <= TOL * abs(loss_want), (float(loss), loss_want)
+    _assert_close(g, (lp, lpsi), TOL, "fused loss")
+    print(f"iqn_quantile_huber_loss B={B} N={N} N'={N + 3} K={K} H={H}: ok", flush=True)
 
 
 def main() -> int:

@@ -38,6 +38,7 @@ kernel ones assert that both FFI calls are in the compiled program. Tiles hold w
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from statistics import NormalDist
 
@@ -50,7 +51,7 @@ import jaxfox
 from jaxfox import iqn_head, iqn_head_init, quantile_huber_loss
 
 from conftest import assert_command_buffers_identical, rel_err
-from test_iqn import KEYS, make_inputs, make_params, np_iqn_forward, np_iqn_vjp
+from test_iqn import KEYS, make_inputs, make_params, make_targets, np_iqn_forward, np_iqn_loss, np_iqn_vjp
 
 if not jaxfox.kernels_available():
     pytest.skip(f"jaxfox CUDA kernels unavailable: {jaxfox.kernels_unavailable_reason()}",
@@ -58,7 +59,7 @@ if not jaxfox.kernels_available():
 
 pytestmark = pytest.mark.gpu
 
-FWD, BWD = "jaxfox_iqn_head_fwd", "jaxfox_iqn_head_bwd"
+FWD, BWD, LOSS = "jaxfox_iqn_head_fwd", "jaxfox_iqn_head_bwd", "jaxfox_iqn_loss"
 TOL = 5e-3           # TF32 products without mask flips: norm-wise relative error per array
 KINK_MARGIN = 0.2    # |pre-activation| >= this everywhere in the exact-math inputs
 XLA_FACTOR, XLA_SLACK = 3.0, 2e-3  # typical init: err(kernel) <= XLA_FACTOR err(reference) + XLA_SLACK
@@ -503,3 +504,169 @@ def test_sgd_quantile_regression_loss_falls():
     first, last = np.mean(losses[:8]), np.mean(losses[-8:])
     assert last < 0.5 * first, (first, last)
     assert last < 1.4 * baseline, (last, baseline)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# iqn_quantile_huber_loss: the fused loss-and-gradient kernel (jaxfox_iqn_loss, opt-in "iqn_loss").
+@pytest.fixture
+def fused_loss(monkeypatch):
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iqn_loss")
+
+
+def _fused_grad(p, s, t, y, kappa=1.0):
+    return jax.value_and_grad(lambda p, s: jaxfox.iqn_quantile_huber_loss(p, s, t, y, kappa), argnums=(0, 1))(p, s)
+
+
+def _run_fused(*args, kappa=1.0, reference=False):
+    """value_and_grad of the loss w.r.t. params and psi, fresh jit; the kernel path must be ONE fused call."""
+    fn = functools.partial(_fused_grad, kappa=kappa)
+    if reference:
+        return _run(fn, *args, reference=True)
+    compiled = jax.jit(fn).lower(*args).compile()
+    text = compiled.as_text()
+    assert LOSS in text and FWD not in text and BWD not in text, "the fused loss kernel alone must run"
+    return jax.device_get(compiled(*args))
+
+
+def _loss_oracle(params, psi, taus, y, kappa=1.0):
+    loss, dz, _, _ = np_iqn_loss(params, psi, taus, y, kappa)
+    dp, dpsi, _ = np_iqn_vjp(params, psi, taus, dz)
+    return loss, (dp, dpsi)
+
+
+LOSS_SHAPES = [  # B, N, N', K, H
+    (37, 32, 32, 64, 128),    # 2 samples a tile, partial last tile
+    (5, 1, 7, 64, 128),       # N = 1: 64 samples a tile; N' not a multiple of the 4 lanes a row
+    (9, 24, 5, 32, 64),       # 48 of 64 rows a tile
+    (3, 64, 1, 64, 128),      # one sample a tile, N' = 1
+    (2, 17, 64, 32, 128),     # 51-row tiles
+    (1000, 32, 32, 64, 128),  # 500 tiles over 132 blocks, chunked parameter-gradient sum
+]
+
+
+@pytest.mark.parametrize("B,N,Nt,K,H", LOSS_SHAPES)
+@pytest.mark.parametrize("kappa", [1.0, 0.3])
+def test_fused_loss_exact_math_matches_oracle(fused_loss, B, N, Nt, K, H, kappa):
+    """Loss and the gradient w.r.t. params and psi against the float64 oracle (exact-math head inputs; the
+    loss's d z is continuous in z, so TF32 in z moves it by O(TF32) only), targets around the quantiles so that
+    |delta| falls on both sides of kappa and of 0."""
+    params, psi, taus, _ = _exact_inputs(B, N, K, H, seed=B + Nt)
+    _assert_far_from_kinks(params, psi, taus)
+    z = np_iqn_forward(params, psi, taus)
+    y = jnp.asarray(z.mean(axis=1, keepdims=True) + 2.0 * kappa * np.asarray(make_targets(B, Nt, seed=B)), jnp.float32)
+    loss, g = _run_fused(params, psi, taus, y, kappa=kappa)
+    want_loss, want_g = _loss_oracle(params, psi, taus, y, kappa)
+    assert loss.dtype == np.float32 and loss.shape == ()
+    assert abs(float(loss) - want_loss) <= TOL * abs(want_loss), (float(loss), want_loss)
+    _assert_close(g, want_g, TOL, "fused loss vs float64 oracle (exact-math inputs)")
+
+
+def test_fused_loss_typical_init_as_accurate_as_xla(fused_loss):
+    params, psi, taus, _ = _typical_inputs(300, 32, 64, 128, seed=21)
+    y = make_targets(300, 32, seed=21, scale=0.05)
+    loss, g = _run_fused(params, psi, taus, y)
+    ref_loss, ref_g = _run_fused(params, psi, taus, y, reference=True)
+    want_loss, want_g = _loss_oracle(params, psi, taus, y)
+    assert abs(float(loss) - want_loss) <= TOL * abs(want_loss)
+    _assert_as_accurate_as_xla(g, ref_g, want_g, "fused loss, typical init")
+
+
+@pytest.mark.parametrize("B,N,Nt,K,H", [(37, 32, 32, 64, 128), (1000, 32, 32, 64, 128)])
+def test_fused_loss_gradients_bitwise_repeatable(fused_loss, B, N, Nt, K, H):
+    params, psi, taus, _ = _typical_inputs(B, N, K, H, seed=22)
+    y = make_targets(B, Nt, seed=22, scale=0.05)
+    f = jax.jit(_fused_grad)
+    assert LOSS in f.lower(params, psi, taus, y).compile().as_text()
+    first = jax.device_get(f(params, psi, taus, y))
+    for _ in range(9):
+        assert _leaves_equal(jax.device_get(f(params, psi, taus, y)), first)
+
+
+def test_fused_loss_single_sample_equals_batch_member(fused_loss):
+    """d psi of sample i alone (a batch of 1) is B times its d psi inside the batch (the loss is a batch mean).
+    B = 32, a power of 2: d z in the batch is d z alone / 32 exactly, so the TF32 rounding of d h is too."""
+    B, N, Nt, K, H = 32, 32, 32, 64, 128
+    params, psi, taus, _ = _typical_inputs(B, N, K, H, seed=23)
+    y = make_targets(B, Nt, seed=23, scale=0.05)
+    _, (_, dpsi) = _run_fused(params, psi, taus, y)
+    f = jax.jit(_fused_grad)
+    for i in (0, 1, 17, B - 1):
+        _, (_, dpsi1) = jax.device_get(f(params, psi[i:i + 1], taus[i:i + 1], y[i:i + 1]))
+        want = B * dpsi[i:i + 1].astype(np.float64)
+        scale = max(float(np.abs(want).max()), 1e-30)
+        assert float(np.abs(dpsi1 - want).max()) <= 1e-6 * scale, (i, float(np.abs(dpsi1 - want).max()), scale)
+
+
+def test_fused_loss_nan_target_stays_in_its_sample(fused_loss):
+    """A NaN target of sample 3 makes the loss NaN (as the reference) and d psi[3] NaN, and leaves the other
+    samples' d psi bitwise unchanged (their d z does not depend on sample 3)."""
+    B, N, K, H = 37, 32, 64, 128
+    params, psi, taus, _ = _typical_inputs(B, N, K, H, seed=24)
+    y = make_targets(B, 32, seed=24, scale=0.05)
+    bad = y.at[3, 5].set(jnp.nan)
+    _, (_, dpsi_ok) = _run_fused(params, psi, taus, y)
+    loss_bad, (_, dpsi_bad) = _run_fused(params, psi, taus, bad)
+    ref_loss, _ = _run_fused(params, psi, taus, bad, reference=True)
+    assert np.isnan(loss_bad) and np.isnan(ref_loss)
+    assert np.isnan(dpsi_bad[3]).any()
+    others = np.arange(B) != 3
+    assert np.array_equal(dpsi_bad[others], dpsi_ok[others])
+
+
+_CMDBUF_LOSS_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfox
+    out = {}
+    for B in (37, 1000):
+        k = jax.random.split(jax.random.key(B), 4)
+        p = jaxfox.iqn_head_init(k[0], 128, n_cos=64)
+        psi = jax.nn.relu(jax.random.normal(k[1], (B, 128), jnp.float32))
+        taus = jax.random.uniform(k[2], (B, 32), jnp.float32)
+        y = 0.05 * jax.random.normal(k[3], (B, 32), jnp.float32)
+
+        @jax.jit
+        def run(p, s):  # several dependent fused calls: a graph worth capturing
+            def body(c, _):
+                l, (gp, gs) = jax.value_and_grad(lambda p, s: jaxfox.iqn_quantile_huber_loss(p, s, taus, y),
+                                                 argnums=(0, 1))(p, s + 1e-3 * c)
+                return c + gs, (l, gp)
+            return jax.lax.scan(body, jnp.zeros_like(s), None, length=3)
+
+        text = run.lower(p, psi).compile().as_text()
+        assert "jaxfox_iqn_loss" in text and "jaxfox_iqn_head_fwd" not in text
+        for it in range(3):
+            c, (l, gp) = jax.device_get(run(p, psi))
+            out[f"{B}_c_run{it}"] = c
+            out[f"{B}_loss_run{it}"] = l
+            for name, v in gp.items():
+                out[f"{B}_g{name}_run{it}"] = v
+    np.savez(sys.argv[1], **out)
+    print("DONE", len(out))
+""")
+
+
+def test_fused_loss_command_buffers_on_off_identical(fused_loss, tmp_path):
+    assert_command_buffers_identical(_CMDBUF_LOSS_SCRIPT, tmp_path)
+
+
+def test_aux_iqn_trainer_loss_falls_with_the_fused_loss(fused_loss):
+    """The aux IQN trainer (online head through the fused loss, target head through the forward kernel) on its
+    synthetic batch: the loss after 60 steps is below 0.8 of the first steps' (the CPU reference path gives
+    the same fall)."""
+    from jaxfox.models.aux import AuxConfig, make_aux, synthetic_batch
+
+    cfg = AuxConfig(obs_dim=16)
+    tr = make_aux(cfg)
+    st = tr.init(jax.random.key(0))
+    batch = synthetic_batch(jax.random.key(1), cfg, 256)["iqn"]
+    step = jax.jit(tr.iqn_step)
+    text = step.lower(st.iqn, batch).compile().as_text()
+    assert LOSS in text and BWD not in text
+    ts, losses = st.iqn, []
+    for _ in range(60):
+        ts, info = step(ts, batch)
+        losses.append(float(info["iqn"]))
+    assert np.isfinite(losses).all()
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses

@@ -88,6 +88,26 @@ def np_iqn_vjp(params, psi, taus, dz):
     return d, dpsi, dtaus
 
 
+def np_iqn_loss(params, psi, taus, y, kappa):
+    """The quantile Huber loss of z = iqn_head(params, psi, taus) against targets y [B, N'], float64, written from
+    IQN eq. (3) / (10): loss = (1 / B) sum_b sum_i (1 / N') sum_j |tau_i - 1{d < 0}| L_kappa(d) / kappa with
+    d = y_j - z_i. Returns (loss, d loss / d z [B, N], d loss / d y [B, N'], the indicator term's d loss / d tau)."""
+    z = np_iqn_forward(params, psi, taus)
+    t, y = np.asarray(taus, np.float64), np.asarray(y, np.float64)
+    B, Nt = y.shape
+    d = y[:, None, :] - z[:, :, None]                                  # [B, N, N']
+    w = np.abs(t[:, :, None] - (d < 0))
+    ad = np.abs(d)
+    hub = np.where(ad <= kappa, 0.5 * d * d, kappa * (ad - 0.5 * kappa))
+    dhub = np.where(ad <= kappa, d, kappa * np.sign(d))                 # L_kappa'(d)
+    scale = 1.0 / (B * Nt * kappa)
+    loss = float((w * hub).sum() * scale)
+    dz = -(w * dhub).sum(axis=2) * scale
+    dy = (w * dhub).sum(axis=1) * scale
+    dtau_ind = (np.sign(t[:, :, None] - (d < 0)) * hub).sum(axis=2) * scale
+    return loss, dz, dy, dtau_ind
+
+
 # ----------------------------------------------------------------------------------------------
 # Inputs.
 def make_params(K, H, seed=0, scale=0.1):
@@ -535,10 +555,181 @@ def test_kernel_needs_the_shared_memory_of_its_layout(monkeypatch, cc, K, H, ok)
     layout (ffi/iqn.cu Layout: 220 KiB at K=64 H=128, 105 KiB at K=64 H=64, 88 KiB at K=32 H=64)."""
     monkeypatch.setattr(iqn_mod, "cuda_compute_capability", lambda: cc)
     assert iqn_mod._kernel_supported(iqn_mod._Config(K, H, 32), 16) is ok
-    assert iqn_mod._smem_bytes(64, 128, False) == 225280 and iqn_mod._smem_bytes(64, 128, True) == 222208
+    assert iqn_mod._smem_bytes(64, 128, False) == 225536 and iqn_mod._smem_bytes(64, 128, True) == 222464
 
 
 def test_kernel_not_used_for_2_to_the_31_rows(monkeypatch):
     monkeypatch.setattr(iqn_mod, "cuda_compute_capability", lambda: (9, 0))
     assert iqn_mod._kernel_supported(iqn_mod._Config(64, 128, 32), 2**26 - 1)
     assert not iqn_mod._kernel_supported(iqn_mod._Config(64, 128, 32), 2**26)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# iqn_quantile_huber_loss: the head's loss with the gradient fused on CUDA (the kernel is opt-in).
+LOSS = "jaxfox_iqn_loss"
+
+
+def make_targets(B, Nt, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed + 3000)
+    return jnp.asarray(scale * rng.standard_normal((B, Nt)), jnp.float32)
+
+
+@pytest.mark.parametrize("B,N,Nt,K,H,kappa", [(5, 8, 6, 64, 128, 1.0), (3, 1, 1, 32, 64, 0.5), (7, 3, 9, 5, 9, 2.0)])
+def test_iqn_loss_matches_oracle(B, N, Nt, K, H, kappa):
+    """Value and every gradient (params, psi, taus, targets) against the float64 oracle: the loss's d z pushed
+    through np_iqn_vjp, plus the indicator weight's own d tau."""
+    params = make_params(K, H)
+    psi, taus, _ = make_inputs(B, N, H)
+    y = make_targets(B, Nt, scale=0.5)   # |d| both below and above kappa
+    want, dz, dy, dtau_ind = np_iqn_loss(params, psi, taus, y, kappa)
+    dp, dpsi, dtaus = np_iqn_vjp(params, psi, taus, dz)
+    with jax.default_matmul_precision("highest"):
+        got, g = jax.value_and_grad(jaxfox.iqn_quantile_huber_loss, argnums=(0, 1, 2, 3))(params, psi, taus, y, kappa)
+    assert got.dtype == jnp.float32 and got.shape == ()
+    assert abs(float(got) - want) <= FWD_TOL * max(abs(want), 1e-30)
+    for k in KEYS:
+        assert rel_err(g[0][k], dp[k]) <= GRAD_TOL, k
+    assert rel_err(g[1], dpsi) <= GRAD_TOL
+    assert rel_err(g[2], dtaus + dtau_ind) <= GRAD_TOL
+    assert rel_err(g[3], dy) <= GRAD_TOL
+
+
+def test_iqn_loss_equals_the_composition_and_check_grads():
+    params = make_params(8, 16)
+    psi, taus, _ = make_inputs(4, 3, 16)
+    y = make_targets(4, 5)
+    with jax.default_matmul_precision("highest"):
+        got = jaxfox.iqn_quantile_huber_loss(params, psi, taus, y, 1.5)
+        want = jaxfox.quantile_huber_loss(iqn_head(params, psi, taus), taus, y, 1.5)
+        assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
+        check_grads(lambda p, s: jaxfox.iqn_quantile_huber_loss(p, s, taus, y, 1.5), (params, psi), order=1,
+                    modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+def test_iqn_loss_argument_errors():
+    params = make_params(8, 16)
+    psi, taus, _ = make_inputs(4, 3, 16)
+    y = make_targets(4, 5)
+    f = jaxfox.iqn_quantile_huber_loss
+    assert_raises_naming(lambda: f(params, psi, taus, y[:3]), ValueError, "target_quantiles")
+    assert_raises_naming(lambda: f(params, psi, taus, y[:, :, None]), ValueError, "target_quantiles")
+    assert_raises_naming(lambda: f(params, psi, taus, y.astype(jnp.bfloat16)), TypeError, "target_quantiles")
+    assert_raises_naming(lambda: f(params, psi, taus[:2], y), ValueError, "taus")
+    assert_raises_naming(lambda: f(params, psi[:, :8], taus, y), ValueError, "psi")
+    assert_raises_naming(lambda: f(params, psi, taus, y, 0.0), ValueError, "kappa")
+    assert_raises_naming(lambda: f(params, psi, taus, y, jnp.float32(1.0)), TypeError, "kappa")
+    assert_raises_naming(lambda: f(params, psi, taus, y[:, :0]), ValueError, "target_quantiles")
+    assert_raises_naming(lambda: f(params, psi[:0], taus[:0], y[:0]), ValueError, "psi")
+
+
+@pytest.fixture
+def loss_opted_in(monkeypatch, kernels_on):
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iqn_loss")
+
+
+def _loss_grad(argnums, kappa=1.0):
+    return jax.value_and_grad(lambda p, s, t, y: jaxfox.iqn_quantile_huber_loss(p, s, t, y, kappa), argnums=argnums)
+
+
+@pytest.mark.parametrize("B,N,Nt,K,H", [(5, 32, 32, 64, 128), (1000, 32, 32, 64, 128), (3, 64, 7, 32, 64),
+                                        (9, 1, 64, 64, 64)])
+def test_iqn_loss_kernel_path_lowering(loss_opted_in, B, N, Nt, K, H):
+    """Opted in, the gradient w.r.t. params and psi is ONE jaxfox_iqn_loss call (no forward kernel): operand and
+    result shapes, grid / chunks as the backward's, kappa as a float attribute."""
+    from jaxfox.reduce import reduce_chunks
+
+    params = make_params(K, H)
+    psi, taus, _ = make_inputs(B, N, H)
+    y = make_targets(B, Nt)
+    text = _cuda_text(_loss_grad((0, 1), kappa=0.75), params, psi, taus, y)
+    calls = _calls(text)
+    assert [t for t, *_ in calls] == [LOSS], [t for t, *_ in calls]
+    (_, attrs, operands, results), = calls
+    P, G = _padded_p(K, H), _grid(B, N)
+    chunks = reduce_chunks(G, P)
+    f32 = lambda *s: "tensor<" + "".join(f"{d}x" for d in s) + "f32>"  # noqa: E731
+    assert attrs == dict(n_cos=K, hidden=H, n_quantiles=N, grid=G, chunks=chunks), attrs
+    assert re.search(r"kappa = 7\.5\d*e-01 : f32", text), "kappa attribute"
+    assert operands == [f32(P), f32(B, H), f32(B, N), f32(B, Nt)]
+    assert results == [f32(B), f32(P), f32(B, H), f32(G, P), f32(chunks * P if chunks > 1 else 0)], results
+
+
+@pytest.mark.parametrize("argnums", [(0, 2), (0, 3), (2,)], ids=str)
+def test_iqn_loss_kernel_path_differentiating_taus_or_targets_uses_the_head_kernels(loss_opted_in, argnums):
+    """d taus / d targets are not in the fused kernel: the composition (forward + backward kernels) runs."""
+    params = make_params(64, 128)
+    psi, taus, _ = make_inputs(5, 32, 128)
+    calls = _calls(_cuda_text(_loss_grad(argnums), params, psi, taus, make_targets(5, 32)))
+    assert sorted(t for t, *_ in calls) == [BWD, FWD], [t for t, *_ in calls]
+
+
+def test_iqn_loss_without_the_opt_in_uses_the_head_kernels(kernels_on, monkeypatch):
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
+    params = make_params(64, 128)
+    psi, taus, _ = make_inputs(5, 32, 128)
+    calls = _calls(_cuda_text(_loss_grad((0, 1)), params, psi, taus, make_targets(5, 32)))
+    assert sorted(t for t, *_ in calls) == [BWD, FWD], [t for t, *_ in calls]
+
+
+def _unflatten(flat, K, H):
+    o = np.cumsum([0, H * H, K * H, H, H, H, 1])
+    return {"w_h": flat[o[0]:o[1]].reshape(H, H), "w_phi": flat[o[1]:o[2]].reshape(K, H), "b_phi": flat[o[2]:o[3]],
+            "b_h": flat[o[3]:o[4]], "w_out": flat[o[4]:o[5]].reshape(H, 1), "b_out": flat[o[5]:o[6]]}
+
+
+def test_iqn_loss_custom_vjp_runs_on_cpu_with_stand_in_kernels(monkeypatch):
+    """The custom_vjp around the fused call, executed on this CPU machine: the two FFI-calling functions are
+    replaced by pure-JAX stand-ins (same outputs, from the reference), the kernel branch is forced. The gradient
+    is the residual scaled by the cotangent; with taus or targets differentiated the composition's VJP is used."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iqn_loss")
+    monkeypatch.setattr(iqn_mod, "_kernel_supported", lambda cfg, B: True)
+    monkeypatch.setattr(iqn_mod, "dispatch", lambda kernel, reference, *a, **k: kernel(*a))
+    used = []
+
+    def ref_loss(cfg, flat, psi, taus, y):
+        return jaxfox.quantile_huber_loss(iqn_mod._reference(_unflatten(flat, cfg.n_cos, cfg.hidden), psi, taus),
+                                          taus, y, cfg.kappa)
+
+    def fake_loss_call(cfg, flat, psi, taus, y):
+        used.append("fused")
+        loss, (dflat, dpsi) = jax.value_and_grad(ref_loss, argnums=(1, 2))(cfg, flat, psi, taus, y)
+        return loss, dflat, dpsi
+
+    def fake_composed(cfg, flat, psi, taus, y):
+        used.append("composed")
+        return ref_loss(cfg, flat, psi, taus, y)
+
+    monkeypatch.setattr(iqn_mod, "_loss_call", fake_loss_call)
+    monkeypatch.setattr(iqn_mod, "_composed_kernel", fake_composed)
+    B, N, Nt, K, H = 4, 3, 5, 8, 16
+    params = make_params(K, H)
+    psi, taus, _ = make_inputs(B, N, H)
+    y = make_targets(B, Nt)
+    want, dz, dy, dtau_ind = np_iqn_loss(params, psi, taus, y, 1.0)
+    dp, dpsi, dtaus = np_iqn_vjp(params, psi, taus, dz)
+    with jax.default_matmul_precision("highest"):
+        g = jax.grad(lambda p, s: 3.0 * jaxfox.iqn_quantile_huber_loss(p, s, taus, y), argnums=(0, 1))(params, psi)
+        assert used == ["fused"]
+        for k in KEYS:
+            assert rel_err(g[0][k], 3.0 * dp[k]) <= GRAD_TOL, k
+        assert rel_err(g[1], 3.0 * dpsi) <= GRAD_TOL
+        g = jax.grad(lambda s, t, yy: 2.0 * jaxfox.iqn_quantile_huber_loss(params, s, t, yy), argnums=(0, 1, 2))(
+            psi, taus, y)
+        assert used == ["fused", "composed"]
+        assert rel_err(g[0], 2.0 * dpsi) <= GRAD_TOL
+        assert rel_err(g[1], 2.0 * (dtaus + dtau_ind)) <= GRAD_TOL
+        assert rel_err(g[2], 2.0 * dy) <= GRAD_TOL
+        assert abs(float(jaxfox.iqn_quantile_huber_loss(params, psi, taus, y)) - want) <= FWD_TOL * abs(want)
+
+
+def test_aux_iqn_step_with_the_fused_loss_lowers_to_one_loss_call(loss_opted_in):
+    """Opted in, the aux IQN step is the target head's forward kernel plus ONE fused loss call."""
+    from jaxfox.models.aux import AuxConfig, make_aux, synthetic_batch
+
+    cfg = AuxConfig(obs_dim=16)
+    tr = make_aux(cfg)
+    st = tr.init(jax.random.key(0))
+    batch = synthetic_batch(jax.random.key(1), cfg, 64)["iqn"]
+    calls = [c for c in _calls(_cuda_text(tr.iqn_step, st.iqn, batch)) if c[0].startswith("jaxfox_iqn")]
+    assert sorted(t for t, *_ in calls) == [FWD, LOSS], [t for t, *_ in calls]

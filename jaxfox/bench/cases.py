@@ -331,6 +331,9 @@ def iqn_head_case(size: str) -> list[Variant]:
     """jaxfox.iqn_head (the IQN quantile head: cosine embedding, W_phi + ReLU, Hadamard product with psi,
     W_h + ReLU, output layer) at the aux trainer's shape: forward only, and forward+backward
     (value_and_grad of sum(z * c) w.r.t. params and psi; taus not differentiated, as in IQN training).
+    Third row: value_and_grad of :func:`jaxfox.iqn_quantile_huber_loss` (N' = N targets a state) w.r.t. params
+    and psi: jaxfox path = the fused loss kernel (opt-in, opted in while tracing: ONE launch, no forward
+    kernel), reference = the composition in XLA.
     jaxfox path: the fused kernels; reference: the XLA einsums (TF32 matmuls at default precision).
     FLOPs: matmuls only, forward 2 B N (K H + H H + H); the backward recomputes the forward and adds
     d m, d W_h (2 B N H H each) and d W_phi (2 B N K H).
@@ -365,9 +368,23 @@ def iqn_head_case(size: str) -> list[Variant]:
 
         return CaseSpec(builder, None, (params, psi, taus, c), None, bwd_flops)
 
+    def setup_loss():
+        params, psi, taus, c = inputs()
+        y = c[:, : s["N"]]  # N' = N target samples a state
+
+        def builder():
+            def op(p, psi, taus, y):
+                with _opted_in("iqn_loss"):   # no effect on the reference path (use_reference() wins)
+                    return jax.value_and_grad(lambda p, psi: jaxfox.iqn_quantile_huber_loss(p, psi, taus, y),
+                                              argnums=(0, 1))(p, psi)
+            return op
+
+        return CaseSpec(builder, None, (params, psi, taus, y), None, bwd_flops)
+
     label = f"B={B} N={N} n_cos={K} H={H}"
     return [Variant("iqn_head", "fwd " + label, setup_fwd, params=dict(s)),
-            Variant("iqn_head", "fwd+bwd " + label, setup_bwd, params=dict(s))]
+            Variant("iqn_head", "fwd+bwd " + label, setup_bwd, params=dict(s)),
+            Variant("iqn_head", "loss fwd+bwd (quantile Huber, N'=N) " + label, setup_loss, params=dict(s, loss=True))]
 
 
 _GROUPED_SHAPES = {

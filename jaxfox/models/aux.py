@@ -23,7 +23,9 @@ them, so that XLA can run them concurrently on the GPU (with
   phi(tau) = ReLU(quantile_embedding(tau, n_cos) W_phi + b_phi) [B, N, H] (IQN eq. 4) and
   f = Linear(H, H) -> ReLU -> Linear(H, 1). Loss :func:`jaxfox.quantile_huber_loss` between N online
   quantiles at tau ~ U[0, 1) and N' target samples r + discount * Z_target(s', tau'), tau' ~ U[0, 1),
-  from an EMA target network (:func:`jaxfox.ema_update`, weight ``target_tau`` on the online params).
+  from an EMA target network (:func:`jaxfox.ema_update`, weight ``target_tau`` on the online params). The online
+  head and its loss are :func:`jaxfox.iqn_quantile_huber_loss` (one fused kernel for the loss and its gradient
+  when opted in, ``JAXFOX_OPT_IN_KERNELS=iqn_loss``), the target head :func:`jaxfox.iqn_head`.
 * **Attention trainer**: :func:`jaxfox.attention_pool` over a sequence [B, T, H] followed by a linear
   head H -> 1, mean squared error against a scalar target y [B] (in the example: the scaled reward of
   the transition from the window of the last T observations).
@@ -222,9 +224,13 @@ def iqn_quantiles(params, obs, taus, n_cos=64):
     """
     if params["w_phi"].shape[0] != n_cos:
         raise ValueError(f"n_cos={n_cos} does not match params['w_phi'] of shape {tuple(params['w_phi'].shape)}")
-    psi = jax.nn.relu(obs @ params["w_s"] + params["b_s"])                               # [B, H]
-    head = {k: params[k] for k in ("w_phi", "b_phi", "w_h", "b_h", "w_out", "b_out")}
-    return jaxfox.iqn_head(head, psi, taus)
+    return jaxfox.iqn_head(*_head_and_psi(params, obs), taus)
+
+
+def _head_and_psi(params, obs):
+    """The iqn_head parameters and psi(s) = ReLU(s W_s + b_s) [B, H] (one XLA matmul)."""
+    psi = jax.nn.relu(obs @ params["w_s"] + params["b_s"])
+    return {k: params[k] for k in ("w_phi", "b_phi", "w_h", "b_h", "w_out", "b_out")}, psi
 
 
 def iqn_loss(params, target, batch, key, cfg: AuxConfig):
@@ -232,10 +238,11 @@ def iqn_loss(params, target, batch, key, cfg: AuxConfig):
     k1, k2 = jax.random.split(key)
     taus = jax.random.uniform(k1, (B, cfg.n_quantiles), jnp.float32)
     taus_t = jax.random.uniform(k2, (B, cfg.n_target_quantiles), jnp.float32)
-    z = iqn_quantiles(params, batch["obs"], taus, cfg.n_cos)
     z_next = iqn_quantiles(target, batch["next_obs"], taus_t, cfg.n_cos)
     y = jax.lax.stop_gradient(batch["reward"][:, None] + batch["discount"][:, None] * z_next)
-    return jaxfox.quantile_huber_loss(z, taus, y, cfg.kappa)
+    # = quantile_huber_loss(iqn_quantiles(params, obs, taus), taus, y, kappa); with JAXFOX_OPT_IN_KERNELS=iqn_loss
+    # on CUDA its gradient is ONE kernel launch (no separate forward for z)
+    return jaxfox.iqn_quantile_huber_loss(*_head_and_psi(params, batch["obs"]), taus, y, cfg.kappa)
 
 
 # ----------------------------------------------------------------------------------------------
