@@ -11,12 +11,14 @@ job's widths (m = 48, d = 4, Hd = O = 32) on 200 rows (4 row tiles, a partial on
 skip Dense (d = 31, Hd = O = 32: two dW tiles per thread, > 48 KB of shared memory); identity skip (d = O);
 a selection context with O = 1; vmap over an instance axis of params and xs; 4160 rows at m = 1 (65 backward
 CTAs, a chunked parameter-gradient reduction); 1280 rows at the main job's widths (two row tiles per backward CTA).
+``JAXFOX_SANITIZE_CASES=0,6`` runs a subset (indices into that list); each passing case prints a line.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # one cudaMalloc per buffer (not XLA's pool), so that memcheck sees a read or write just past a buffer's end
@@ -69,14 +71,25 @@ def main():
     if not jaxfox.kernels_available():
         print("kernels not available:", jaxfox.kernels_unavailable_reason())
         sys.exit(1)
-    case((37,), 3, 5, 17, 9)                  # odd sizes, one partial row tile
-    case((2, 100), 48, 4, 32, 32)             # the main job's widths, 200 rows
-    case((70,), 3, 31, 32, 32)                # widest with a skip Dense
-    case((3, 13), 2, 8, 7, 8)                 # identity skip (d = O)
-    case((37,), 4, 3, 16, 1, C=5)             # O = 1, a selection context
-    case((5, 13), 3, 5, 17, 9, vmap=2)        # vmap: leading instance axis of params and xs
-    case((4160,), 1, 4, 32, 32)               # 65 backward CTAs: a chunked parameter-gradient reduction
-    case((20, 64), 48, 4, 32, 32)             # the main job's widths, 2 tiles per backward CTA
+    cases = [
+        (((37,), 3, 5, 17, 9), {}),                # odd sizes, one partial row tile
+        (((2, 100), 48, 4, 32, 32), {}),           # the main job's widths, 200 rows
+        (((70,), 3, 31, 32, 32), {}),              # widest with a skip Dense
+        (((3, 13), 2, 8, 7, 8), {}),               # identity skip (d = O)
+        (((37,), 4, 3, 16, 1), dict(C=5)),         # O = 1, a selection context
+        (((5, 13), 3, 5, 17, 9), dict(vmap=2)),    # vmap: leading instance axis of params and xs
+        (((4160,), 1, 4, 32, 32), {}),             # 65 backward CTAs: a chunked parameter-gradient reduction
+        (((20, 64), 48, 4, 32, 32), {}),           # the main job's widths, 2 tiles per backward CTA
+    ]
+    # JAXFOX_SANITIZE_CASES="0,6": run only those cases (a sanitizer run of all of them may outlast a device
+    # command); each case prints a line when it passes, so a run cut short still says how far it got
+    pick = os.environ.get("JAXFOX_SANITIZE_CASES", "")
+    chosen = [int(i) for i in pick.split(",") if i.strip()] if pick.strip() else range(len(cases))
+    for i in chosen:
+        args, kw = cases[i]
+        t0 = time.perf_counter()
+        case(*args, **kw)
+        print(f"case {i} {args} {kw}: ok ({time.perf_counter() - t0:.1f} s)", flush=True)
     print("OK")
 
 
