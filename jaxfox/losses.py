@@ -199,8 +199,8 @@ def cql_penalty(q_values, actions, alpha=1.0):
     Args:
       q_values: [..., A] float32/bfloat16 (e.g. [B, A], or [B, D, A] for D action branches).
       actions: [...] integer data actions in [0, A) (the leading shape of q_values). An action
-        outside [0, A) gives NaN for that sample (it cannot be checked when traced).
-      alpha: the penalty weight, a Python float >= 0 or a float scalar array.
+        outside [0, A) (negative ones included) gives NaN for that sample (it cannot be checked when traced).
+      alpha: the penalty weight, a Python float >= 0 or a float scalar array (range-checked when concrete).
 
     Returns:
       float32 [...] (no reduction). Always >= 0 (up to rounding); exactly 0 when A = 1. The
@@ -213,9 +213,11 @@ def cql_penalty(q_values, actions, alpha=1.0):
 
     Raises:
       TypeError: q_values not float32/bfloat16; actions not an integer array; alpha not a number.
-      ValueError: actions' shape is not q_values.shape[:-1]; a numeric alpha < 0 or not finite.
+      ValueError: A = 0; actions' shape is not q_values.shape[:-1]; a numeric or concrete alpha < 0 or not finite.
     """
     _check_float_array("q_values", q_values, min_ndim=1)
+    if q_values.shape[-1] < 1:
+        raise ValueError(f"q_values must have A >= 1 actions (last axis), got shape {tuple(q_values.shape)}")
     if not hasattr(actions, "shape") or not hasattr(actions, "dtype") or not jnp.issubdtype(
             actions.dtype, jnp.integer):
         raise TypeError(f"actions must be an integer array, got "
@@ -228,9 +230,13 @@ def cql_penalty(q_values, actions, alpha=1.0):
             raise ValueError(f"alpha must be a finite float >= 0, got {alpha!r}")
     elif not (hasattr(alpha, "shape") and tuple(alpha.shape) == () and jnp.issubdtype(alpha.dtype, jnp.floating)):
         raise TypeError(f"alpha must be a float or a float scalar array, got {type(alpha).__name__}")
+    elif not isinstance(alpha, jax.core.Tracer) and not (np.isfinite(np.asarray(alpha, np.float64))
+                                                          and np.asarray(alpha, np.float64) >= 0):
+        raise ValueError(f"alpha must be a finite float >= 0, got {float(np.asarray(alpha, np.float64))!r}")
     q = q_values.astype(jnp.float32)
     m = jax.lax.stop_gradient(jnp.max(q, axis=-1, keepdims=True))
     lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(q - m), axis=-1))
-    q_data = jnp.take_along_axis(q, actions[..., None].astype(jnp.int32), axis=-1, mode="fill",
-                                 fill_value=jnp.nan)[..., 0]
+    a = actions if jnp.iinfo(actions.dtype).bits >= 32 else actions.astype(jnp.int32)
+    a = jnp.where((a >= 0) & (a < q.shape[-1]), a, q.shape[-1]).astype(jnp.int32)  # out of range (also < 0) -> fill
+    q_data = jnp.take_along_axis(q, a[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]
     return jnp.asarray(alpha, jnp.float32) * (lse - q_data)

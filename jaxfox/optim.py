@@ -371,6 +371,9 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
                 if not isinstance(m, FlatParams) or m.layout.shapes != shapes:
                     raise ValueError(f"state.{name} must be the FlatParams of init(params) (flatten_moments=True): "
                                      f"leaf shapes {shapes}, got {getattr(getattr(m, 'layout', None), 'shapes', m)}")
+        else:  # per-leaf moments: like params (other shapes would broadcast silently in the update)
+            for name in ("mu", "nu"):
+                _check_f32_tree(f"state.{name}", getattr(state, name), like=params)
 
     def step_scalars(count):
         """(count + 1, bias corrections 1 - b1^(count+1), 1 - b2^(count+1), -lr(count)): the scalar part of a
@@ -561,6 +564,7 @@ def cast_bf16(x):
     bf16_max + half an ulp to +-Inf. NaN -> sign | 0x7FC0 (a quiet NaN keeping the sign), which is
     what XLA's CPU convert and ml_dtypes produce. Bit-exact against ``x.astype(jnp.bfloat16)`` on
     CPU for every input; on GPU XLA's convert may return a different NaN payload (NaN stays NaN).
+    Differentiable as ``x.astype(jnp.bfloat16)``: the tangent (and the cotangent, back to float32) is cast.
 
     Args:
       x: float32 array, any shape.
@@ -573,8 +577,19 @@ def cast_bf16(x):
     """
     if not hasattr(x, "dtype") or jnp.dtype(x.dtype) != jnp.float32:
         raise TypeError(f"x must be a float32 array, got {getattr(x, 'dtype', type(x).__name__)}")
-    u = jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.uint32)
+    return _cast_bf16_bits(jnp.asarray(x))
+
+
+@jax.custom_jvp
+def _cast_bf16_bits(x):
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
     rounded = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) >> 16
     nan = (u & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
     bits = jnp.where(nan, (u >> 16) & jnp.uint32(0x8000) | jnp.uint32(0x7FC0), rounded)
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+@_cast_bf16_bits.defjvp
+def _cast_bf16_jvp(primals, tangents):
+    # the derivative of x.astype(bfloat16) (the bit operations alone would give a zero gradient)
+    return _cast_bf16_bits(primals[0]), tangents[0].astype(jnp.bfloat16)

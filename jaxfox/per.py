@@ -462,7 +462,7 @@ def update(state: PERState, indices, priorities) -> PERState:
 
     Raises:
       TypeError: indices not integer or priorities not float.
-      ValueError: not 1-D or lengths differ; concrete priorities negative, NaN or infinite; concrete
+      ValueError: not 1-D or lengths differ; concrete priorities negative, NaN or infinite (in float32); concrete
         indices outside [0, C) (or outside [0, size) when size is concrete).
     """
     C = _check_state(state)
@@ -479,10 +479,12 @@ def update(state: PERState, indices, priorities) -> PERState:
     K = indices.shape[0]
     if _is_concrete(priorities):
         pv = np.asarray(priorities, np.float64)
-        bad = ~(np.isfinite(pv) & (pv >= 0))
+        with np.errstate(over="ignore"):
+            bad = ~(np.isfinite(pv.astype(np.float32)) & (pv >= 0))  # finite as stored (float32)
         if bad.any():
             k = int(np.argmax(bad))
-            raise ValueError(f"priorities must be finite and >= 0; got {pv[k]} at position {k}")
+            why = " (beyond the float32 range they are stored in)" if np.isfinite(pv[k]) and pv[k] > 0 else ""
+            raise ValueError(f"priorities must be finite and >= 0; got {pv[k]} at position {k}{why}")
     if _is_concrete(indices):
         iv = np.asarray(indices, np.int64)
         limit = C

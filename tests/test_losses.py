@@ -221,6 +221,27 @@ def test_cql_errors():
     assert math.isnan(float(jaxfox.cql_penalty(q[:1], jnp.asarray([3], jnp.int32))[0]))
 
 
+def test_cql_negative_and_wrapped_actions_give_nan():
+    """A negative action is out of range too: NaN, eagerly and under jit, not Q of the action -1 + A
+    (jnp's negative indexing); uint32 actions >= 2^31 likewise."""
+    q = jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32)
+    for f in (jaxfox.cql_penalty, jax.jit(jaxfox.cql_penalty)):
+        got = np.asarray(f(q, jnp.asarray([-1, 2, -4], jnp.int32)))
+        assert np.isnan(got[0]) and np.isnan(got[2]) and np.isfinite(got[1])
+        assert np.isnan(np.asarray(f(q[:1], jnp.asarray([2 ** 32 - 1], jnp.uint32)))[0])
+
+
+def test_cql_bad_alpha_array_and_no_actions_raise():
+    q = jnp.zeros((4, 3), jnp.float32)
+    a = jnp.zeros((4,), jnp.int32)
+    for bad in (jnp.float32(-1.0), jnp.float32(jnp.nan), np.float32(-2.0)):  # as for a Python float
+        with pytest.raises(ValueError, match="alpha must be a finite float >= 0"):
+            jaxfox.cql_penalty(q, a, bad)
+    with pytest.raises(ValueError, match=r"q_values must have A >= 1 actions.*\(4, 0\)"):
+        jaxfox.cql_penalty(jnp.zeros((4, 0), jnp.float32), a)
+    assert float(jnp.sum(jax.jit(jaxfox.cql_penalty)(q, a, jnp.float32(2.0)))) == pytest.approx(8 * math.log(3))
+
+
 # ---------------------------------------------------------------- concurrency flag helper
 def test_enable_concurrent_command_buffers_after_init_raises(monkeypatch):
     jnp.ones(2).block_until_ready()          # backends are initialised now

@@ -207,6 +207,25 @@ def test_adamw_zero_norm_zero_max_norm_is_finite():
         np.testing.assert_allclose(np.asarray(ul), want, rtol=1e-6, atol=0)
 
 
+def test_adamw_state_moments_must_be_like_params():
+    """Per-leaf moments of another shape, structure or dtype than params raise (a mu of shape (1,) for a (4,)
+    leaf used to broadcast silently into a wrong state)."""
+    params, grads = {"a": jnp.ones((4,))}, {"a": jnp.arange(4.0)}
+    tx = optim.fused_adamw(1e-2)
+    st = tx.init(params)
+    cases = ((tx.init({"a": jnp.ones((1,))}), ValueError, r"state.mu\['a'\] must have shape \(4,\) like params"),
+             (tx.init({"b": jnp.ones((4,))}), ValueError, "state.mu must have the structure of params"),
+             (optim.fused_adamw(1e-2, flatten_moments=True).init(params), ValueError,
+              "state.mu must have the structure of params"),
+             (st._replace(nu={"a": jnp.ones((2, 2))}), ValueError, r"state.nu\['a'\] must have shape"),
+             (st._replace(mu={"a": jnp.ones((4,), jnp.bfloat16)}), TypeError, r"state.mu\['a'\] must be a float32"))
+    for bad, err, match in cases:
+        for fn in (tx.update, tx.step, jax.jit(tx.update), jax.jit(tx.step)):
+            with pytest.raises(err, match=match):
+                fn(grads, bad, params)
+    tx.update(grads, st, params)  # the state from init passes
+
+
 def test_adamw_validation():
     for kw, match in ((dict(b1=1.0), "b1"), (dict(b2=-0.1), "b2"), (dict(eps=-1.0), "eps"),
                       (dict(weight_decay=-1e-3), "weight_decay"), (dict(max_grad_norm=-1.0), "max_grad_norm"),
@@ -369,6 +388,19 @@ def test_cast_bf16_random_bits_and_jit():
     np.testing.assert_array_equal(got.ravel()[:3000], np_bf16_bits(sub.view(np.float32)))
     with pytest.raises(TypeError, match="float32"):
         optim.cast_bf16(jnp.ones(3, jnp.bfloat16))
+
+
+def test_cast_bf16_gradient_is_that_of_astype():
+    """d cast_bf16(x) is the tangent cast to bfloat16 (as for x.astype), not the zero of a bit-pattern path."""
+    x = jnp.asarray([1.0, -2.5, 3e-3, 7.0], jnp.float32)
+    w = np.array([1.0, -2.0, 0.5, 4.0])  # exact in bfloat16: d/dx sum(w * float32(bf16(x))) = w
+    loss = lambda x: jnp.sum(jnp.asarray(w, jnp.float32) * optim.cast_bf16(x).astype(jnp.float32))  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x)), w)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(loss))(x)), w)
+    y, t = jax.jvp(optim.cast_bf16, (x,), (jnp.asarray(w, jnp.float32),))
+    assert y.dtype == t.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(t, np.float64), w)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np_bf16_bits(np.asarray(x)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -336,6 +336,9 @@ def test_update_invalid_concrete_raises():
         per.update(s, jnp.array([0.0, 1.0]), jnp.array([1.0, 1.0]))
     with pytest.raises(TypeError, match="float"):
         per.update(s, i, jnp.array([1, 1]))
+    # float64 values beyond the float32 range would be stored as inf -> 0 (never sampled): they raise too
+    with pytest.raises(ValueError, match="priorities must be finite and >= 0"):
+        per.update(s, i, np.array([1.0, 1e39], np.float64))
 
 
 def test_update_invalid_traced_is_safe():
