@@ -21,14 +21,15 @@ would add q_j . b_k / sqrt(d) to every score of head j, which the softmax cancel
 effect and a zero gradient), and the value bias reaches the output only as W_o b_v (the weights sum
 to 1), which b_o already represents; so only b_o is kept.
 
-On CUDA (``ffi/attention_pool.cu``) one thread block per sample runs the whole time loop forward and
-backward without forming K or V: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d), and
-the pooled value is pv = (c_{j(i)} . W_v[:, i])_i with c_j = sum_t alpha[j, t] h_t. Parameter
-gradients are exact sums of per-sample low-rank terms (see the kernel file for the derivation),
-formed in a fixed order without atomics: bitwise reproducible, and a sample's outputs and input
-gradient do not depend on the rest of the batch. The kernels keep their working set in 48 KiB of
-shared memory, staging hs in tiles of up to T steps (all of it for T = 64, H = 128); shapes whose
-minimum working set does not fit (H > 384 with 4 heads, H > 272 with 8) run the reference on CUDA too.
+On CUDA (``ffi/attention_pool.cu``, opt-in: ``JAXFOX_OPT_IN_KERNELS=attention_pool``) K and V are never
+formed: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d), c_j = sum_t alpha[j, t] h_t and
+pv_{D_j} = c_j W_v[:, D_j]. The kernels do the per-sample streaming part (scores, masked softmax, c; and
+in the backward d alpha -> softmax backward -> d hs and d u), each CTA holding the rows of G = max(1, 64 // T)
+whole samples in shared memory; u, pv, pooled and every parameter gradient are batched XLA GEMMs over all
+samples. Sums run in a fixed order without atomics (d u: per-block partials added by
+:func:`jaxfox.reduce_axis0`'s kernel): bitwise reproducible, and a sample's outputs and input gradient do not
+depend on the rest of the batch. Shapes whose G T rows do not fit the kernels' 96 KiB of shared memory (about
+T H > 23000 at 4 heads) run the reference on CUDA too. The kernels have not yet run on a GPU in this form.
 """
 
 from __future__ import annotations
@@ -138,102 +139,85 @@ def _reference(num_heads, params, hs, mask):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel path. Parameters travel as one flat float32 vector [q | w_k | w_v | w_o | b_o]
-# (matrices row-major), P = 3 H^2 + 2 H.
-_THREADS = 256                # threads per block (ffi/attention_pool.cu kThreads)
-_SMEM_FLOATS = 48 * 1024 // 4  # the kernels' shared-memory budget (kSmemLimitBytes)
-_MIN_STAGE_ROWS = 16          # kMinStageRows
+# Kernel path: the per-sample streaming part (scores, masked softmax, c = alpha hs, and its backward) is
+# ffi/attention_pool.cu; the weight products around it (u = W_k q, pv = c W_v per head, pooled = pv W_o + b_o)
+# are batched XLA GEMMs over all samples, differentiated by JAX.
+_BLOCK_ROWS = 64                 # a CTA owns G = max(1, 64 // T) whole samples
+_SMEM_LIMIT = 96 * 1024          # bytes of shared memory a block may use (2 blocks per SM on 9.0 / 10.x)
 
 
 class _Config(NamedTuple):
     hidden_size: int
     num_heads: int
-    tile_t: int  # time steps of hs staged in shared memory at a time
+    samples_per_block: int
 
 
-def _smem_floats(H, n, TT):
-    """Shared memory of the forward/backward kernels in floats (SmemFloats in the .cu file)."""
-    Hp = H | 1
-    region = max(TT * Hp, min(H, _MIN_STAGE_ROWS) * Hp)
-    return 3 * n * Hp + 3 * H + 2 * n + _THREADS + 2 * n * TT + region
+def _samples_per_block(T):
+    return max(1, _BLOCK_ROWS // max(T, 1))
 
 
-def _tile_t(H, n, T):
-    """Largest tile TT <= T that fits the budget (TT = T: hs read once), or 0 when none fits."""
-    if T < 1 or _smem_floats(H, n, 1) > _SMEM_FLOATS:
-        return 0
-    lo, hi = 1, T
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _smem_floats(H, n, mid) <= _SMEM_FLOATS:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _smem_bytes(G, T, H, n):
+    """Dynamic shared memory of the kernels (ffi/attention_pool.cu Layout::total floats x 4)."""
+    R, hp = G * T, H | 1
+    return 4 * (R * hp + n * hp + 2 * n * (R | 1) + G * n * hp + R)
 
 
-def _flatten(params):
-    return jnp.concatenate([params[k].reshape(-1) for k in _PARAM_KEYS])
-
-
-def _unflatten(flat, H):
-    sizes = (H, H * H, H * H, H * H, H)
-    shapes = ((H,), (H, H), (H, H), (H, H), (H,))
-    out, offset = {}, 0
-    for k, n, shape in zip(_PARAM_KEYS, sizes, shapes):
-        out[k] = flat[offset:offset + n].reshape(shape)
-        offset += n
-    return out
-
-
-def _attrs(cfg):
-    return dict(hidden_size=np.int64(cfg.hidden_size), num_heads=np.int64(cfg.num_heads),
-                tile_t=np.int64(cfg.tile_t))
-
-
-def _fwd_call(cfg, wflat, hs, mask):
-    B, T, H = hs.shape
+def _stream_fwd_call(cfg, hs, mask, u):
+    B, T, H = hs.shape[-3:]
     n = cfg.num_heads
     f32 = jnp.float32
-    out = (jax.ShapeDtypeStruct((B, H), f32),      # pooled
-           jax.ShapeDtypeStruct((B, n, T), f32),   # alpha
-           jax.ShapeDtypeStruct((B, n, H), f32),   # residual c_j = sum_t alpha[j, t] h_t
-           jax.ShapeDtypeStruct((B, H), f32))      # residual pv (pooled before W_o)
+    out = (jax.ShapeDtypeStruct((B, n, T), f32),    # alpha
+           jax.ShapeDtypeStruct((B, n, H), f32))    # c_j = sum_t alpha[j, t] h_t
     return _ffi_call("jaxfox_attention_pool_fwd", out, vmap_method="broadcast_all")(
-        wflat, hs, mask, **_attrs(cfg))
+        hs, mask, u, samples_per_block=np.int64(cfg.samples_per_block))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _pool_kernel(cfg, wflat, hs, mask):
-    pooled, alpha, _, _ = _fwd_call(cfg, wflat, hs, mask)
-    return pooled, alpha
+def _stream(cfg, hs, mask, u):
+    """(alpha [B, n, T], c [B, n, H]) from hs [B, T, H], mask [B, T] and u [H, n] (the kernels' math)."""
+    return _stream_fwd_call(cfg, hs, mask, u)
 
 
-def _pool_kernel_fwd(cfg, wflat, hs, mask):
-    pooled, alpha, c, pv = _fwd_call(cfg, wflat, hs, mask)
-    return (pooled, alpha), (wflat, hs, mask, alpha, c, pv)
+def _stream_fwd(cfg, hs, mask, u):
+    # symbolic_zeros: the primals arrive as CustomVJPPrimal; d hs is formed only when hs is differentiated
+    alpha, c = _stream_fwd_call(cfg, hs.value, mask.value, u.value)
+    return (alpha, c), (hs.value, u.value, alpha, bool(hs.perturbed))
 
 
-def _pool_kernel_bwd(cfg, res, cts):
-    wflat, hs, mask, alpha, c, pv = res
-    dpooled, dalpha = cts
+def _stream_bwd(cfg, res, cts):
+    hs, u, alpha, want_dhs = res
     B, T, H = hs.shape
     n = cfg.num_heads
-    P = wflat.shape[0]
-    chunks = reduce_chunks(B, P)
     f32 = jnp.float32
-    out = (jax.ShapeDtypeStruct((P,), f32),                                  # dw (reduced)
-           jax.ShapeDtypeStruct((B, T, H), hs.dtype),                        # dhs
-           jax.ShapeDtypeStruct((B, (3 + n) * H), f32),                      # workspace: per-sample factors
-           jax.ShapeDtypeStruct((B, n, T), f32),                             # workspace: softmax backward
-           jax.ShapeDtypeStruct((chunks * P if chunks > 1 else 0,), f32))    # workspace: chunk partials
-    dw, dhs, *_ = _ffi_call("jaxfox_attention_pool_bwd", out, vmap_method="broadcast_all")(
-        wflat, hs, mask, alpha, c, pv, dpooled.astype(f32), dalpha.astype(f32),
-        chunks=np.int64(chunks), **_attrs(cfg))
-    return psum_to_match((dw, dhs, None), (wflat, hs, None))
+    dalpha, dc = (jnp.zeros(shape, f32) if isinstance(ct, jax.custom_derivatives.SymbolicZero) else ct.astype(f32)
+                  for ct, shape in zip(cts, ((B, n, T), (B, n, H))))
+    G = cfg.samples_per_block
+    blocks = -(-B // G)
+    chunks = reduce_chunks(blocks, n * H)
+    out = (jax.ShapeDtypeStruct((B, T, H) if want_dhs else (0,), hs.dtype),  # dh (or not computed)
+           jax.ShapeDtypeStruct((n * H,), f32),                               # du, [n, H] row-major
+           jax.ShapeDtypeStruct((blocks, n * H), f32),                        # workspace: per-block partials
+           jax.ShapeDtypeStruct((chunks * n * H if chunks > 1 else 0,), f32))  # workspace: chunk partials
+    dhs, du, *_ = _ffi_call("jaxfox_attention_pool_bwd", out, vmap_method="broadcast_all")(
+        hs, u, alpha, dalpha, dc, samples_per_block=np.int64(G), chunks=np.int64(chunks))
+    return psum_to_match((dhs if want_dhs else None, None, du.reshape(n, H).T), (hs, None, u))
 
 
-_pool_kernel.defvjp(_pool_kernel_fwd, _pool_kernel_bwd)
+_stream.defvjp(_stream_fwd, _stream_bwd, symbolic_zeros=True)
+
+
+def _kernel_path(cfg, params, hs, mask):
+    B, T, H = hs.shape
+    n = cfg.num_heads
+    d = H // n
+    if mask is None:
+        mask = jnp.ones((B, T), jnp.bool_)
+    u = jnp.einsum("hjd,jd->hj", params["w_k"].reshape(H, n, d), params["q"].reshape(n, d)) / jnp.float32(
+        math.sqrt(d))                                                          # [H, n]
+    alpha, c = _stream(cfg, hs, mask, u)
+    pv = jnp.einsum("bjh,hjd->bjd", c, params["w_v"].reshape(H, n, d)).reshape(B, H)
+    bias = jnp.where(jnp.any(mask, axis=1)[:, None], params["b_o"], 0.0)
+    return pv @ params["w_o"] + bias, alpha
 
 
 def _dispatch(cfg, params, hs, mask):
@@ -241,16 +225,14 @@ def _dispatch(cfg, params, hs, mask):
         return _reference(cfg.num_heads, params, hs, mask)
 
     def kernel(params, hs, mask):
-        if mask is None:
-            mask = jnp.ones(hs.shape[:2], jnp.bool_)
-        return _pool_kernel(cfg, _flatten(params), hs, mask)
+        return _kernel_path(cfg, params, hs, mask)
 
-    B, T, _ = hs.shape
-    if B == 0 or T == 0 or cfg.tile_t < 1:
+    B, T, H = hs.shape
+    if (B == 0 or T == 0 or _smem_bytes(cfg.samples_per_block, T, H, cfg.num_heads) > _SMEM_LIMIT
+            or not kernel_opted_in("attention_pool")):
+        # opt-in until measured on a GPU (the previous kernels were slower than XLA, BENCHMARKS.md)
         return reference(params, hs, mask)
-    # opt-in: slower than XLA on the H200 so far (0.61x at B=32 T=64 H=128; BENCHMARKS.md)
-    return dispatch(kernel if kernel_opted_in("attention_pool") else reference, reference, params, hs, mask,
-                    batch=(False, True, True))
+    return dispatch(kernel, reference, params, hs, mask, batch=(False, True, True))
 
 
 def attention_pool(params, hs, mask=None, *, num_heads=4):
@@ -295,5 +277,4 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
     _check_params(params, H)
     if mask is not None:
         _check_array("mask", mask, (B, T), (jnp.dtype(jnp.bool_),))
-    cfg = _Config(H, n, _tile_t(H, n, T))
-    return _dispatch(cfg, params, hs, mask)
+    return _dispatch(_Config(H, n, _samples_per_block(T)), params, hs, mask)

@@ -5,8 +5,9 @@ Run on the GPU machine, e.g.:
     compute-sanitizer --tool racecheck python tests/gpu_sanitize_attention.py
     compute-sanitizer --tool initcheck python tests/gpu_sanitize_attention.py
 Prints OK when every case ran on the kernel path and agreed with the reference path.
-Cases: odd sizes with an all-masked and a single-valid sample; several time tiles with bfloat16
-states; a batch with a chunked parameter-gradient sum; vmap.
+Cases: odd sizes with an all-masked and a single-valid sample; a 150-step sequence (85 KiB of shared memory)
+with bfloat16 states; 70 one-sample blocks (a chunked d u sum); 37 samples of 16 steps (4 a block, the last
+block partial); vmap.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def main():
         print("kernels not available:", jaxfox.kernels_unavailable_reason())
         sys.exit(1)
     case(5, 13, 24, 3)                          # odd sizes, masked samples
-    case(2, 150, 128, 4, dtype=jnp.bfloat16)    # several time tiles, bf16 states
-    case(70, 4, 8, 2)                           # 2 chunks in the parameter-gradient sum
+    case(2, 150, 128, 4, dtype=jnp.bfloat16)    # one long sequence a block, bf16 states
+    case(70, 64, 8, 2)                          # 70 blocks: 2 chunks in the d u sum
+    case(37, 16, 64, 4)                         # 4 samples a block, the last block partial
     case(3, 6, 16, 4, vmap=2)                   # vmap: leading instance axis
     print("OK")
 

@@ -455,97 +455,61 @@ def test_zero_size_inputs():
 
 # ----------------------------------------------------------------------------------------------
 # Host side of the kernel path, through a float64 NumPy transcription of ffi/attention_pool.cu.
-def _split_flat(w, H):
-    q = w[:H]
-    wk = w[H:H + H * H].reshape(H, H)
-    wv = w[H + H * H:H + 2 * H * H].reshape(H, H)
-    wo = w[H + 2 * H * H:H + 3 * H * H].reshape(H, H)
-    bo = w[H + 3 * H * H:]
-    return q, wk, wv, wo, bo
-
-
-def _emu_fwd(w, hs, mask, *, hidden_size, num_heads, tile_t):
-    H, n = hidden_size, num_heads
-    d, P = H // n, 3 * H * H + 2 * H
-    B, T = hs.shape[-3], hs.shape[-2]
+def _emu_fwd(hs, mask, u, *, samples_per_block, _shapes):
+    """jaxfox_attention_pool_fwd: (hs [.., B, T, H], mask [.., B, T], u [.., H, n]) -> alpha [.., B, n, T],
+    c [.., B, n, H], written from the kernel file's equations (block by block of G samples)."""
+    B, T, H = hs.shape[-3:]
+    n = u.shape[-1]
     lead = hs.shape[:-3]
-    assert w.shape == lead + (P,) and mask.shape == lead + (B, T) and mask.dtype == np.bool_
-    assert 1 <= tile_t <= T and attn_mod._smem_floats(H, n, tile_t) <= attn_mod._SMEM_FLOATS
+    G = samples_per_block
+    assert G == attn_mod._samples_per_block(T) and attn_mod._smem_bytes(G, T, H, n) <= attn_mod._SMEM_LIMIT
+    assert mask.shape == lead + (B, T) and mask.dtype == np.bool_ and u.shape == lead + (H, n)
     V = int(np.prod(lead, dtype=np.int64))
-    w = np.asarray(w, np.float64).reshape(V, P)
-    hs = np.asarray(hs).astype(np.float64).reshape(V, B, T, H)
-    mask = mask.reshape(V, B, T)
-    pooled, alpha = np.zeros((V, B, H)), np.zeros((V, B, n, T))
-    c, pv = np.zeros((V, B, n, H)), np.zeros((V, B, H))
+    hsv = np.asarray(hs).astype(np.float64).reshape(V, B, T, H)
+    uv = np.asarray(u, np.float64).reshape(V, H, n)
+    mv = mask.reshape(V, B, T)
+    alpha, c = np.zeros((V, B, n, T)), np.zeros((V, B, n, H))
     for v in range(V):
-        q, wk, wv, wo, bo = _split_flat(w[v], H)
-        u = np.stack([wk[:, j * d:(j + 1) * d] @ q[j * d:(j + 1) * d] for j in range(n)]) / math.sqrt(d)
-        head = np.arange(H) // d
         for b in range(B):
-            m = mask[v, b]
-            if not m.any():
-                continue
-            h = hs[v, b]
-            s = u @ h.T                                                  # [n, T]
-            mx = np.max(np.where(m, s, -np.inf), axis=1, keepdims=True)
-            e = np.where(m, np.exp(np.where(m, s - mx, 0.0)), 0.0)
-            a = e / e.sum(axis=1, keepdims=True)
-            alpha[v, b] = a
-            c[v, b] = a @ h                                              # [n, H]
-            pv[v, b] = np.einsum("im,mi->i", c[v, b][head], wv)          # pv[i] = c_{j(i)} . W_v[:, i]
-            pooled[v, b] = pv[v, b] @ wo + bo
+            m = mv[v, b]
+            s = (hsv[v, b] @ uv[v]).T                                    # [n, T]
+            if m.any():
+                mx = np.max(np.where(m, s, -np.inf), axis=1, keepdims=True)
+                e = np.where(m, np.exp(np.where(m, s - mx, 0.0)), 0.0)
+                alpha[v, b] = e / e.sum(axis=1, keepdims=True)
+            c[v, b] = alpha[v, b] @ hsv[v, b]
     f32 = np.float32
-    return (pooled.reshape(lead + (B, H)).astype(f32), alpha.reshape(lead + (B, n, T)).astype(f32),
-            c.reshape(lead + (B, n, H)).astype(f32), pv.reshape(lead + (B, H)).astype(f32))
+    return alpha.reshape(lead + (B, n, T)).astype(f32), c.reshape(lead + (B, n, H)).astype(f32)
 
 
-def _emu_bwd(w, hs, mask, alpha, c, pv, g, dalpha, *, hidden_size, num_heads, tile_t, chunks):
-    H, n = hidden_size, num_heads
-    d, P, F = H // n, 3 * H * H + 2 * H, (3 + n) * H
-    B, T = hs.shape[-3], hs.shape[-2]
+def _emu_bwd(hs, u, alpha, dalpha, dc, *, samples_per_block, chunks, _shapes):
+    """jaxfox_attention_pool_bwd: -> dh [.., B, T, H] (or [.., 0]), du [.., n H] ([j][h]), partials, chunk
+    workspace; the du partials per block of G samples, then summed over the blocks."""
+    B, T, H = hs.shape[-3:]
+    n = u.shape[-1]
     lead = hs.shape[:-3]
-    V = int(np.prod(lead, dtype=np.int64))
-    assert chunks == jaxfox.reduce.reduce_chunks(B, P)
-    for x, shape in [(alpha, (B, n, T)), (c, (B, n, H)), (pv, (B, H)), (g, (B, H)), (dalpha, (B, n, T))]:
+    G = samples_per_block
+    blocks = -(-B // G)
+    assert chunks == jaxfox.reduce.reduce_chunks(blocks, n * H)
+    for x, shape in [(alpha, (B, n, T)), (dalpha, (B, n, T)), (dc, (B, n, H))]:
         assert x.shape == lead + shape and x.dtype == np.float32, (x.shape, shape, x.dtype)
-    f64 = lambda x, *s: np.asarray(x).astype(np.float64).reshape((V,) + s)  # noqa: E731
-    w, hsv = f64(w, P), f64(hs, B, T, H)
-    mask = mask.reshape(V, B, T)
-    alpha, c, pv, g, dalpha = f64(alpha, B, n, T), f64(c, B, n, H), f64(pv, B, H), f64(g, B, H), f64(dalpha, B, n, T)
-    dhs, fac = np.zeros((V, B, T, H)), np.zeros((V, B, F))
-    dw = np.zeros((V, P))
-    head = np.arange(H) // d
-    rows = -(-B // chunks)
+    want_dh = tuple(_shapes[0].shape) != (0,)
+    V = int(np.prod(lead, dtype=np.int64))
+    f64 = lambda x, *sh: np.asarray(x).astype(np.float64).reshape((V,) + sh)  # noqa: E731
+    hsv, uv, av, dav, dcv = f64(hs, B, T, H), f64(u, H, n), f64(alpha, B, n, T), f64(dalpha, B, n, T), f64(dc, B, n, H)
+    dh, part = np.zeros((V, B, T, H)), np.zeros((V, blocks, n * H))
     for v in range(V):
-        q, wk, wv, wo, bo = _split_flat(w[v], H)
-        u = np.stack([wk[:, j * d:(j + 1) * d] @ q[j * d:(j + 1) * d] for j in range(n)]) / math.sqrt(d)
         for b in range(B):
-            if not mask[v, b].any():
-                continue                                                 # zero dhs, zero factors
-            h, a = hsv[v, b], alpha[v, b]
-            dpv = wo @ g[v, b]
-            dc = np.stack([wv[:, j * d:(j + 1) * d] @ dpv[j * d:(j + 1) * d] for j in range(n)])
-            at = dalpha[v, b] + dc @ h.T                                 # [n, T]
-            rho = np.sum(a * at, axis=1, keepdims=True)
-            ds = a * (at - rho)
-            e = ds @ h                                                   # [n, H]
-            dhs[v, b] = a.T @ dc + ds.T @ u
-            dqb = np.einsum("mi,im->i", wk, e[head]) / math.sqrt(d)
-            fac[v, b] = np.concatenate([g[v, b], dpv, dqb, e.ravel()])
-        for k in range(chunks):                                          # chunk partials, then their sum
-            sl = slice(k * rows, min(B, (k + 1) * rows))
-            fb = fac[v, sl]
-            gb, dpvb, dqb, eb = fb[:, :H], fb[:, H:2 * H], fb[:, 2 * H:3 * H], fb[:, 3 * H:].reshape(-1, n, H)
-            dq = dqb.sum(0)
-            dwk = (q / math.sqrt(d))[None, :] * eb.sum(0)[head].T          # [m, i] = q_i/sqrt(d) sum_b e[j(i)][m]
-            dwv = np.einsum("bim,bi->mi", c[v, sl][:, head, :], dpvb)       # sum_b c_b[j(i)][m] dpv_b[i]
-            dwo = pv[v, sl].T @ gb
-            dbo = gb.sum(0)
-            dw[v] += np.concatenate([dq, dwk.ravel(), dwv.ravel(), dwo.ravel(), dbo])
+            h, a = hsv[v, b], av[v, b]
+            at = dav[v, b] + dcv[v, b] @ h.T                             # [n, T]
+            ds = a * (at - np.sum(a * at, axis=1, keepdims=True))
+            dh[v, b] = a.T @ dcv[v, b] + ds.T @ uv[v].T
+            part[v, b // G] += (ds @ h).ravel()                          # [n, H] -> [j][h]
     f32 = np.float32
-    ws = np.zeros(lead + ((chunks * P if chunks > 1 else 0),), f32)
-    return (dw.reshape(lead + (P,)).astype(f32), dhs.reshape(hs.shape).astype(hs.dtype),
-            fac.reshape(lead + (B, F)).astype(f32), np.zeros(lead + (B, n, T), f32), ws)
+    dh_out = dh.reshape(lead + (B, T, H)).astype(hs.dtype) if want_dh else np.zeros(lead + (0,), hs.dtype)
+    ws = np.zeros(lead + ((chunks * n * H if chunks > 1 else 0),), f32)
+    return (dh_out, part.sum(axis=1).reshape(lead + (n * H,)).astype(f32),
+            part.reshape(lead + (blocks, n * H)).astype(f32), ws)
 
 
 _EMULATORS = {"jaxfox_attention_pool_fwd": _emu_fwd, "jaxfox_attention_pool_bwd": _emu_bwd}
@@ -562,8 +526,9 @@ def kernel_path(monkeypatch):
         def call(*args, **attrs):
             for k, val in attrs.items():
                 assert isinstance(val, np.int64), (k, type(val))
-            calls.append(target)
-            cb = functools.partial(_EMULATORS[target], **{k: int(val) for k, val in attrs.items()})
+            calls.append((target, tuple(tuple(r.shape) for r in result_shape_dtypes)))
+            cb = functools.partial(_EMULATORS[target], _shapes=result_shape_dtypes,
+                                   **{k: int(val) for k, val in attrs.items()})
             return jax.pure_callback(cb, result_shape_dtypes, *args, vmap_method="broadcast_all")
 
         return call
@@ -574,8 +539,10 @@ def kernel_path(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("B,T,H,n", [(3, 5, 8, 2), (4, 7, 12, 3), (70, 4, 8, 2)])  # B = 70: 2 chunks
+@pytest.mark.parametrize("B,T,H,n", [(3, 5, 8, 2), (4, 7, 12, 3), (37, 4, 8, 2), (70, 64, 8, 2)])
 def test_kernel_algorithm_and_wiring(kernel_path, B, T, H, n):
+    """Values and every gradient of the kernel path (kernels emulated) against the float64 oracle. (37, 4):
+    3 blocks of 16 samples, the last partial; (70, 64): one sample a block, 70 blocks, a chunked du sum."""
     params, hs, mask = _setup(B, T, H, n, seed=81 + B, all_masked=(1,), single=(0,))
     r1, r2 = _weights(B, T, H, n, seed=5)
     pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
@@ -583,24 +550,41 @@ def test_kernel_algorithm_and_wiring(kernel_path, B, T, H, n):
     _assert_f32_close(pooled, want_p)
     _assert_f32_close(alpha, want_a)
     gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
-    assert "jaxfox_attention_pool_bwd" in kernel_path and "jaxfox_attention_pool_fwd" in kernel_path
-    if B > 10:  # finite differences of the oracle are slow at B = 70: differentiate the reference
+    targets = [t for t, _ in kernel_path]
+    assert "jaxfox_attention_pool_bwd" in targets and "jaxfox_attention_pool_fwd" in targets
+    if B > 10:  # finite differences of the oracle are slow for many samples: differentiate the reference
         def ref_loss(p, h):
             pooled, alpha = attn_mod._reference(n, p, h, jnp.asarray(mask))
             return jnp.sum(pooled * jnp.asarray(r1, jnp.float32)) + jnp.sum(alpha * jnp.asarray(r2, jnp.float32))
 
         before = len(kernel_path)
-        wp, wh = jax.grad(ref_loss, argnums=(0, 1))(params, jnp.asarray(hs))
+        with jax.default_matmul_precision("highest"):
+            wp, wh = jax.grad(ref_loss, argnums=(0, 1))(params, jnp.asarray(hs))
         assert len(kernel_path) == before  # the reference made no FFI calls
         wp = {k: np.asarray(wp[k], np.float64) for k in KEYS}
         wh = np.asarray(wh, np.float64)
-        _assert_f32_close(pooled, np_attention_pool(params, hs, mask, n)[0])
     else:
         wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
     for k in KEYS:
         _assert_f32_close(gp[k], wp[k], tol=1e-4)
     _assert_f32_close(gh, wh, tol=1e-4)
     assert np.all(np.asarray(gh)[1] == 0.0)
+    if B == 70:
+        assert jaxfox.reduce.reduce_chunks(70, n * H) > 1
+
+
+def test_kernel_path_skips_dhs_when_hs_is_not_differentiated(kernel_path):
+    """jax.grad w.r.t. params only: the backward call's dh result is [0] (not computed), and the parameter
+    gradients are those of the oracle."""
+    B, T, H, n = 5, 6, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=7)
+    r1, r2 = _weights(B, T, H, n, seed=7)
+    gp = jax.grad(_loss_jax)(params, jnp.asarray(hs), mask, n, r1, r2)
+    (shapes,) = [sh for t, sh in kernel_path if t == "jaxfox_attention_pool_bwd"]
+    assert shapes[0] == (0,) and shapes[1] == (n * H,), shapes
+    wp, _ = _oracle_grads(params, hs, mask, n, r1, r2)
+    for k in KEYS:
+        _assert_f32_close(gp[k], wp[k], tol=1e-4)
 
 
 def test_kernel_path_no_mask_vmap_bf16(kernel_path):
@@ -618,24 +602,37 @@ def test_kernel_path_no_mask_vmap_bf16(kernel_path):
     def loss(p, h):
         return _loss_jax(p, h, None, n, r1, r2)
 
-    gv = jax.vmap(jax.grad(loss, argnums=(0, 1)))(stacked, jnp.asarray(hsv))
+    with jax.default_matmul_precision("highest"):
+        gv = jax.vmap(jax.grad(loss, argnums=(0, 1)))(stacked, jnp.asarray(hsv))
     for v in range(V):
         wp, wh = _oracle_grads(ps[v], hsv[v], None, n, r1, r2)
-        _assert_f32_close(gv[0]["w_o"][v], wp["w_o"], tol=1e-4)
+        for k in KEYS:
+            _assert_f32_close(gv[0][k][v], wp[k], tol=1e-4)
         _assert_f32_close(gv[1][v], wh, tol=1e-4)
     # bfloat16 hs: dhs comes back as bfloat16
     gh = jax.grad(loss, argnums=1)(params, jnp.asarray(hs, jnp.bfloat16))
     assert gh.dtype == jnp.bfloat16
 
 
-def test_tile_choice():
-    assert attn_mod._tile_t(128, 4, 64) == 64      # the target shape keeps hs resident in shared memory
-    tt = attn_mod._tile_t(128, 4, 1000)
-    assert 1 <= tt < 1000 and attn_mod._smem_floats(128, 4, tt) <= attn_mod._SMEM_FLOATS
-    assert attn_mod._smem_floats(128, 4, tt + 1) > attn_mod._SMEM_FLOATS
-    assert attn_mod._tile_t(4096, 64, 8) == 0       # too large: the reference path is used
-    params = random_params(8, 2)
-    flat = attn_mod._flatten(params)
-    assert flat.shape == (3 * 64 + 16,)
-    back = attn_mod._unflatten(flat, 8)
-    assert all(np.array_equal(np.asarray(back[k]), np.asarray(params[k])) for k in KEYS)
+def test_block_choice():
+    assert attn_mod._samples_per_block(64) == 1 and attn_mod._samples_per_block(16) == 4
+    assert attn_mod._samples_per_block(1) == 64 and attn_mod._samples_per_block(200) == 1
+    # the target shapes fit (39.5 KB at T=64 H=128, 24 KB at the aux trainer's T=16 H=64); very long rows do not
+    assert attn_mod._smem_bytes(1, 64, 128, 4) == 39488 and attn_mod._smem_bytes(4, 16, 64, 4) == 24176
+    assert attn_mod._smem_bytes(1, 1000, 128, 4) > attn_mod._SMEM_LIMIT
+
+
+def test_rows_beyond_the_shared_memory_run_the_reference(monkeypatch):
+    """A shape whose block does not fit runs the reference even when opted in with kernels available."""
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "attention_pool")
+    params = random_params(128, 4)
+    hs = jnp.zeros((2, 1000, 128), jnp.float32)
+    text = jax.jit(lambda p, h: attention_pool(p, h)[0]).trace(params, hs).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "jaxfox_attention_pool" not in text
+    text = jax.jit(lambda p, h: attention_pool(p, h)[0]).trace(params, hs[:, :64]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "jaxfox_attention_pool_fwd" in text

@@ -110,18 +110,20 @@ def _compare(got, want, tol=TOL, hs_tol=TOL):
     return errs
 
 
-CASES = [  # B, T, H, n, mask kind
+CASES = [  # B, T, H, n, mask kind (a block holds G = max(1, 64 // T) samples)
     (32, 64, 128, 4, "none"),
     (32, 64, 128, 4, "mixed"),
-    (256, 64, 128, 4, "mixed"),   # 4 chunks in the parameter-gradient sum
+    (256, 64, 128, 4, "mixed"),   # 256 blocks: 4 chunks in the d u sum
     (70, 64, 128, 4, "mixed"),    # 2 uneven chunks
+    (37, 16, 64, 4, "mixed"),     # 4 samples a block (the aux trainer's widths), the last block partial
+    (1100, 4, 8, 2, "mixed"),     # 16 samples a block, 69 blocks: 2 chunks
     (5, 37, 24, 3, "mixed"),
-    (4, 300, 128, 4, "mixed"),    # hs does not fit in shared memory: several time tiles
-    (3, 10, 130, 2, "mixed"),     # H % 4 != 0: scalar load paths
-    (3, 20, 264, 4, "mixed"),     # H > 256 threads: column dot products from global memory
+    (4, 150, 128, 4, "mixed"),    # one sample of 150 rows a block: 85 KiB of shared memory (above 48 KiB)
+    (3, 10, 130, 2, "mixed"),     # H % 4 != 0
+    (3, 20, 264, 4, "mixed"),     # H > 256 threads
     (6, 16, 16, 16, "mixed"),     # d_head = 1
     (6, 16, 64, 1, "none"),       # one head
-    (2, 1, 128, 4, "none"),       # T = 1
+    (2, 1, 128, 4, "none"),       # T = 1: 64 samples a block, 2 of them here
 ]
 
 
@@ -130,8 +132,8 @@ def test_kernel_matches_reference(B, T, H, n, mask_kind):
     params = _params(H, n, seed=B + T)
     hs, mask = _inputs(B, T, H, seed=B * T, mask_kind=mask_kind)
     step = _make_step(n, *_weights(B, T, H, n))
-    if B >= 64:
-        assert reduce_chunks(B, 3 * H * H + 2 * H) > 1  # the chunked reduction is exercised
+    if B >= 70:
+        assert reduce_chunks(-(-B // max(1, 64 // T)), n * H) > 1  # the chunked reduction is exercised
     _compare(_run(step, params, hs, mask), _run(step, params, hs, mask, reference=True))
 
 
@@ -289,3 +291,28 @@ def test_training_loss_falls():
     assert np.isfinite(losses).all()
     first, last = np.mean(losses[:8]), np.mean(losses[-8:])
     assert last < 0.3 * first, (first, last)
+
+
+def test_parameter_gradient_without_hs_gradient_aux_shape():
+    """The aux attention trainer's use (hs is data): the gradient w.r.t. the parameters only, at its widths
+    (T = 16, H = 64, 4 heads: 4 samples a block); the backward kernel skips d hs."""
+    B, T, H, n = 600, 16, 64, 4
+    params = _params(H, n, seed=11)
+    hs, mask = _inputs(B, T, H, seed=12)
+    r1, r2 = _weights(B, T, H, n)
+
+    def grad_params(p, h, m):
+        def loss(p):
+            pooled, alpha = attention_pool(p, h, m, num_heads=n)
+            return jnp.sum(pooled * r1) + jnp.sum(alpha * r2)
+        return jax.grad(loss)(p)
+
+    with jax.default_matmul_precision("highest"):
+        fn = jax.jit(grad_params)
+        hlo = fn.lower(params, hs, mask).compile().as_text()
+        assert "jaxfox_attention_pool_bwd" in hlo
+        got = jax.device_get(fn(params, hs, mask))
+        with jaxfox.use_reference():
+            want = jax.device_get(jax.jit(grad_params)(params, hs, mask))
+    errs = {k: _relmax(got[k], want[k]) for k in KEYS}
+    assert all(v <= TOL for v in errs.values()), errs

@@ -177,7 +177,8 @@ def _weighted_sum_grad(apply, w):
 def attention_pool_case(size: str) -> list[Variant]:
     """jaxfox.attention_pool forward+backward (value_and_grad of sum(pooled * w) w.r.t. params and hs).
 
-    hs [B, T, H] with H = 128 (16 small), 4 heads, no mask; rows = B x T (2048 and 16384 by default).
+    hs [B, T, H] with H = 128 (16 small), 4 heads, no mask; rows = B x T (2048 and 16384 by default); and the
+    aux attention trainer's shape, B = 16384, T = 16, H = 64, differentiated w.r.t. the parameters only.
     The kernel is opt-in: the jaxfox path runs it only with JAXFOX_OPT_IN_KERNELS=attention_pool.
     """
     import jaxfox
@@ -194,6 +195,23 @@ def attention_pool_case(size: str) -> list[Variant]:
 
         out.append(Variant("attention_pool", f"fwd+bwd B={B} T={T} H={H} ({B * T} rows)", setup,
                            params={"B": B, "T": T, "H": H}))
+
+    # the aux attention trainer's shape (jaxfox.models.aux): the gradient w.r.t. the parameters only (hs is data)
+    Ba, Ta, Ha = (64, 16, 16) if size == "small" else (16384, 16, 64)
+
+    def setup_aux():
+        params = jaxfox.attention_pool_init(jax.random.key(8), Ha, num_heads=4)
+        hs, w = _normal(9, (Ba, Ta, Ha)), _normal(10, (Ha,))
+
+        def builder():
+            def op(params, x):
+                return jax.value_and_grad(lambda p: jnp.sum(jaxfox.attention_pool(p, x)[0] * w))(params)
+            return op
+
+        return CaseSpec(builder, None, (params, hs), None, None)
+
+    out.append(Variant("attention_pool", f"fwd+bwd params only B={Ba} T={Ta} H={Ha} (aux trainer)", setup_aux,
+                       params={"B": Ba, "T": Ta, "H": Ha, "params_only": True}))
     return out
 
 
