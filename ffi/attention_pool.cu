@@ -18,14 +18,15 @@
 // (the previous kernels, one CTA a sample doing u, pv and pooled itself, spent most of their time on
 // dependent weight reads and were slower than XLA, BENCHMARKS.md).
 //
-// Kernels: a CTA of 256 threads owns G whole samples (G = attr samples_per_block, G T <= 64 rows unless
-// T > 64) and stages their hs rows (float32; bfloat16 converted), u and the per-sample vectors in shared
+// Kernels: a CTA of 256 threads owns G whole samples (G = attr samples_per_block: G T <= 64 rows unless T > 64,
+// fewer when they would not fit in 96 KiB; jaxfox/attention.py _samples_per_block) and stages their hs rows (float32; bfloat16 converted), u and the per-sample vectors in shared
 // memory (Layout below; jaxfox/attention.py _smem_bytes computes the same size). Forward: (b) scores, one
 // (row, head) a thread; (c) the softmax, one warp per (sample, head); (d) c, one (sample, head, column) a
 // thread summing over t in order. Backward: (b) a = dalpha + h . dc; (c) ds in place; (d) dh, one (row,
 // column) a thread; (e) the block's du partial [n, H], one (head, column) a thread summing the block's rows
 // in order, written to part[instance, block]; LaunchReduceAxis0 adds the blocks' partials in a fixed order.
-// No atomics: bitwise reproducible, and a sample's alpha, c and dh do not depend on the batch around it.
+// No atomics: bitwise reproducible, and a sample's alpha and c (and dh, given its d alpha and d c) do not depend
+// on the batch around it.
 // Leading (vmap, broadcast_all) dims of every operand are a flattened instance count V (grid.y).
 #include <cuda_bf16.h>
 

@@ -24,11 +24,12 @@ to 1), which b_o already represents; so only b_o is kept.
 On CUDA (``ffi/attention_pool.cu``, opt-in: ``JAXFOX_OPT_IN_KERNELS=attention_pool``) K and V are never
 formed: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d), c_j = sum_t alpha[j, t] h_t and
 pv_{D_j} = c_j W_v[:, D_j]. The kernels do the per-sample streaming part (scores, masked softmax, c; and
-in the backward d alpha -> softmax backward -> d hs and d u), each CTA holding the rows of G = max(1, 64 // T)
-whole samples in shared memory; u, pv, pooled and every parameter gradient are batched XLA GEMMs over all
-samples. Sums run in a fixed order without atomics (d u: per-block partials added by
-:func:`jaxfox.reduce_axis0`'s kernel): bitwise reproducible, and a sample's outputs and input gradient do not
-depend on the rest of the batch. Shapes whose G T rows do not fit the kernels' 96 KiB of shared memory (about
+in the backward d alpha -> softmax backward -> d hs and d u), each CTA holding the rows of G <= max(1, 64 // T)
+whole samples in shared memory (as many as fit in 96 KiB); u, pv, pooled and every parameter gradient are
+batched XLA GEMMs over all samples. Sums run in a fixed order without atomics (d u: per-block partials added by
+:func:`jaxfox.reduce_axis0`'s kernel), so results are bitwise reproducible; a sample's alpha comes from the
+kernel alone and does not depend on the rest of the batch (pooled and d hs also pass through XLA's batched
+GEMMs, whose algorithm may depend on the batch size). Shapes where one sample does not fit in 96 KiB (about
 T H > 23000 at 4 heads) run the reference on CUDA too. The kernels have not yet run on a GPU in this form.
 """
 
@@ -142,7 +143,7 @@ def _reference(num_heads, params, hs, mask):
 # Kernel path: the per-sample streaming part (scores, masked softmax, c = alpha hs, and its backward) is
 # ffi/attention_pool.cu; the weight products around it (u = W_k q, pv = c W_v per head, pooled = pv W_o + b_o)
 # are batched XLA GEMMs over all samples, differentiated by JAX.
-_BLOCK_ROWS = 64                 # a CTA owns G = max(1, 64 // T) whole samples
+_BLOCK_ROWS = 64                 # a CTA owns G <= max(1, 64 // T) whole samples (_samples_per_block)
 _SMEM_LIMIT = 96 * 1024          # bytes of shared memory a block may use (2 blocks per SM on 9.0 / 10.x)
 
 
@@ -152,14 +153,19 @@ class _Config(NamedTuple):
     samples_per_block: int
 
 
-def _samples_per_block(T):
-    return max(1, _BLOCK_ROWS // max(T, 1))
-
-
 def _smem_bytes(G, T, H, n):
     """Dynamic shared memory of the kernels (ffi/attention_pool.cu Layout::total floats x 4)."""
     R, hp = G * T, H | 1
     return 4 * (R * hp + n * hp + 2 * n * (R | 1) + G * n * hp + R)
+
+
+def _samples_per_block(T, H, n):
+    """G: the most whole samples a CTA holds, at most max(1, 64 // T) and within _SMEM_LIMIT; 0 when one sample
+    does not fit (the reference runs). A function of the shape only, as is the order of the d u sum."""
+    G = max(1, _BLOCK_ROWS // max(T, 1))
+    while G > 0 and _smem_bytes(G, T, H, n) > _SMEM_LIMIT:
+        G -= 1
+    return G
 
 
 def _stream_fwd_call(cfg, hs, mask, u):
@@ -228,8 +234,7 @@ def _dispatch(cfg, params, hs, mask):
         return _kernel_path(cfg, params, hs, mask)
 
     B, T, H = hs.shape
-    if (B == 0 or T == 0 or _smem_bytes(cfg.samples_per_block, T, H, cfg.num_heads) > _SMEM_LIMIT
-            or not kernel_opted_in("attention_pool")):
+    if B == 0 or T == 0 or cfg.samples_per_block < 1 or not kernel_opted_in("attention_pool"):
         # opt-in until measured on a GPU (the previous kernels were slower than XLA, BENCHMARKS.md)
         return reference(params, hs, mask)
     return dispatch(kernel, reference, params, hs, mask, batch=(False, True, True))
@@ -277,4 +282,4 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
     _check_params(params, H)
     if mask is not None:
         _check_array("mask", mask, (B, T), (jnp.dtype(jnp.bool_),))
-    return _dispatch(_Config(H, n, _samples_per_block(T)), params, hs, mask)
+    return _dispatch(_Config(H, n, _samples_per_block(T, H, n)), params, hs, mask)

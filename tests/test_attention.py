@@ -462,7 +462,8 @@ def _emu_fwd(hs, mask, u, *, samples_per_block, _shapes):
     n = u.shape[-1]
     lead = hs.shape[:-3]
     G = samples_per_block
-    assert G == attn_mod._samples_per_block(T) and attn_mod._smem_bytes(G, T, H, n) <= attn_mod._SMEM_LIMIT
+    assert G == attn_mod._samples_per_block(T, H, n) >= 1
+    assert attn_mod._smem_bytes(G, T, H, n) <= attn_mod._SMEM_LIMIT
     assert mask.shape == lead + (B, T) and mask.dtype == np.bool_ and u.shape == lead + (H, n)
     V = int(np.prod(lead, dtype=np.int64))
     hsv = np.asarray(hs).astype(np.float64).reshape(V, B, T, H)
@@ -615,11 +616,17 @@ def test_kernel_path_no_mask_vmap_bf16(kernel_path):
 
 
 def test_block_choice():
-    assert attn_mod._samples_per_block(64) == 1 and attn_mod._samples_per_block(16) == 4
-    assert attn_mod._samples_per_block(1) == 64 and attn_mod._samples_per_block(200) == 1
-    # the target shapes fit (39.5 KB at T=64 H=128, 24 KB at the aux trainer's T=16 H=64); very long rows do not
+    spb = attn_mod._samples_per_block
+    assert spb(64, 128, 4) == 1 and spb(16, 64, 4) == 4 and spb(150, 128, 4) == 1 and spb(1, 8, 2) == 64
+    # the target shapes fit (39.5 KB at T=64 H=128, 24 KB at the aux trainer's T=16 H=64)
     assert attn_mod._smem_bytes(1, 64, 128, 4) == 39488 and attn_mod._smem_bytes(4, 16, 64, 4) == 24176
-    assert attn_mod._smem_bytes(1, 1000, 128, 4) > attn_mod._SMEM_LIMIT
+    # short rows of wide samples: fewer than 64 // T samples a block, the most that fit
+    for T, H, n in [(1, 128, 4), (1, 256, 4), (4, 256, 4), (2, 128, 4)]:
+        G = spb(T, H, n)
+        assert 1 <= G < 64 // T and attn_mod._smem_bytes(G, T, H, n) <= attn_mod._SMEM_LIMIT
+        assert attn_mod._smem_bytes(G + 1, T, H, n) > attn_mod._SMEM_LIMIT
+    # one sample that does not fit: 0 (the reference runs)
+    assert attn_mod._smem_bytes(1, 1000, 128, 4) > attn_mod._SMEM_LIMIT and spb(1000, 128, 4) == 0
 
 
 def test_rows_beyond_the_shared_memory_run_the_reference(monkeypatch):

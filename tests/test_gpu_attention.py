@@ -123,7 +123,7 @@ CASES = [  # B, T, H, n, mask kind (a block holds G = max(1, 64 // T) samples)
     (3, 20, 264, 4, "mixed"),     # H > 256 threads
     (6, 16, 16, 16, "mixed"),     # d_head = 1
     (6, 16, 64, 1, "none"),       # one head
-    (2, 1, 128, 4, "none"),       # T = 1: 64 samples a block, 2 of them here
+    (2, 1, 128, 4, "none"),       # T = 1: up to 36 samples a block (what fits), 2 of them here
 ]
 
 
@@ -133,7 +133,8 @@ def test_kernel_matches_reference(B, T, H, n, mask_kind):
     hs, mask = _inputs(B, T, H, seed=B * T, mask_kind=mask_kind)
     step = _make_step(n, *_weights(B, T, H, n))
     if B >= 70:
-        assert reduce_chunks(-(-B // max(1, 64 // T)), n * H) > 1  # the chunked reduction is exercised
+        G = jaxfox.attention._samples_per_block(T, H, n)
+        assert reduce_chunks(-(-B // G), n * H) > 1  # the chunked reduction is exercised
     _compare(_run(step, params, hs, mask), _run(step, params, hs, mask, reference=True))
 
 
@@ -163,7 +164,10 @@ def test_all_masked_rows():
     assert all(np.isfinite(x).all() for x in [pooled, alpha, dh] + [dp[k] for k in KEYS])
     keep = np.array([b for b in range(B) if b not in dead])
     (p2, a2), (dp2, dh2) = _run(_make_step(n, r1[keep], r2[keep]), params, hs[keep], jnp.asarray(m[keep]))
-    assert np.array_equal(pooled[keep], p2) and np.array_equal(alpha[keep], a2) and np.array_equal(dh[keep], dh2)
+    # alpha comes from the kernel alone (bitwise); pooled and d hs also pass through XLA's batched GEMMs, whose
+    # algorithm may change with the batch size
+    assert np.array_equal(alpha[keep], a2)
+    assert _relmax(p2, pooled[keep]) <= 1e-6 and _relmax(dh2, dh[keep]) <= 1e-6
     for k in KEYS:
         assert _relmax(dp[k], dp2[k]) <= TOL, k
     # every sample masked: all zeros, no NaN
