@@ -154,12 +154,16 @@ def _params_input_size(params, mode):
 
 def _check_config(params, input_size, mode) -> _Config:
     _check_mode(mode)
-    if not isinstance(params, dict) or "heads_w" not in params or "heads_b" not in params:
+    if not isinstance(params, dict) or any(k not in params for k in ("backbone", "heads_w", "heads_b")):
         raise ValueError("params must be the dict returned by cfc_init (keys 'backbone', 'heads_w', 'heads_b')")
+    backbone = params["backbone"]
+    if not isinstance(backbone, (list, tuple)) or not all(
+            isinstance(layer, dict) and "w" in layer and "b" in layer for layer in backbone):
+        raise ValueError("params['backbone'] must be a list of L dicts {'w': [in, U], 'b': [U]} (as cfc_init makes), "
+                         f"got {type(backbone).__name__}")
     if mode != "pure" and ("w_tau" in params or "A" in params):
         raise ValueError(f"params has the keys 'w_tau' and 'A' of mode 'pure' (made by cfc_init(mode='pure')), "
                          f"but mode is {mode!r}")
-    backbone = params.get("backbone", [])
     n_heads = 1 if mode == "pure" else 4
     hw = params["heads_w"]
     _check_array("params['heads_w']", hw, (None, None))
@@ -324,8 +328,8 @@ def _prepare_ts(ts, B, T):
     if ts.shape not in ((), (B,), (B, T)):
         raise ValueError(f"ts must be a scalar, [B]={B} or [B, T]=[{B}, {T}], got shape {tuple(ts.shape)}")
     concrete = not isinstance(ts, jax.core.Tracer)
-    if concrete and bool(np.any(np.asarray(ts) < 0)):
-        raise ValueError("ts (elapsed time per step) must be >= 0; got a negative value")
+    if concrete and not bool(np.all(np.asarray(ts) >= 0)):
+        raise ValueError("ts (elapsed time per step) must be >= 0; got a negative or NaN value")
     ts = jnp.asarray(ts, jnp.float32)
     if ts.ndim == 1:
         ts = ts[:, None]
@@ -339,7 +343,7 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
       params: from :func:`cfc_init` (same ``mode``).
       xs: [B, T, I] float32, batch-major (ncps ``batch_first=True``).
       ts: elapsed time of each step in bars: a scalar, [B] (one per sample) or [B, T] (per step).
-        Must be >= 0 (0 is valid). Under ``jit`` a negative traced value cannot raise; the
+        Must be >= 0 (0 is valid; NaN is not). Under ``jit`` a negative traced value cannot raise; the
         affected steps' outputs are NaN instead.
       h0: initial state [B, H] float32, or None for zeros.
       mode: "default", "no_gate" or "pure" (module docstring).
@@ -355,7 +359,7 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
     Raises:
       TypeError: an argument has the wrong dtype (float32 expected).
       ValueError: wrong shape or rank (the message names the argument), unknown mode,
-        params that do not match the mode, or a negative concrete ts.
+        params that do not match the mode, or a negative or NaN concrete ts.
     """
     if not hasattr(xs, "shape"):
         raise TypeError(f"xs must be an array, got {type(xs).__name__}")
@@ -381,13 +385,15 @@ def cfc_cell(params, h, x, ts=1.0, *, mode="default"):
 
     Same math, errors and differentiability as :func:`cfc_scan` with T = 1.
     """
-    if not hasattr(x, "shape") or len(x.shape) != 2:
-        raise ValueError(f"x must have shape [B, I], got {getattr(x, 'shape', type(x).__name__)}")
-    if not hasattr(h, "shape") or len(h.shape) != 2:
-        raise ValueError(f"h must have shape [B, H], got {getattr(h, 'shape', type(h).__name__)}")
+    for name, a, want in (("x", x, "[B, I]"), ("h", h, "[B, H]")):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+        if len(a.shape) != 2:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(a.shape)}")
     B = x.shape[0]
-    _config(params, x.shape[1], mode, input_name="x")
+    cfg = _config(params, x.shape[1], mode, input_name="x")
     if hasattr(ts, "shape") and tuple(ts.shape) not in ((), (B,)):
         raise ValueError(f"ts must be a scalar or [B]={B} for cfc_cell, got shape {tuple(ts.shape)}")
-    _check_array("h", h, (B, None))
+    _check_array("x", x, (B, cfg.input_size))
+    _check_array("h", h, (B, cfg.hidden_size))
     return cfc_scan(params, x[:, None, :], ts, h, mode=mode)[:, 0, :]

@@ -400,6 +400,7 @@ def grn(params, a, context=None, *, eps=1e-5):
     a, context = _common_dtype(a, context)
     R = int(np.prod(lead, dtype=np.int64))
     a2 = a.reshape(R, I).astype(jnp.float32)  # once: a bfloat16 a gets its float32 gradient rounded once
-    c2 = jnp.broadcast_to(context, lead + (C,)).reshape(R, C) if C else None
+    # float32 before the broadcast: a bfloat16 context's gradient is summed over the broadcast dims in float32
+    c2 = jnp.broadcast_to(context.astype(jnp.float32), lead + (C,)).reshape(R, C) if C else None
     y = _grn_apply(params, a2, c2, eps)
     return y.reshape(lead + (O,))

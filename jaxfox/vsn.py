@@ -270,6 +270,7 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     context = _check_context(context, C, lead, "params['selection']")
     xs, context = _common_dtype(xs, context)
     R = int(np.prod(lead, dtype=np.int64))
-    c2 = jnp.broadcast_to(context, lead + (C,)).reshape(R, C) if C else None
+    # float32 before the broadcast: a bfloat16 context's gradient is summed over the broadcast dims in float32
+    c2 = jnp.broadcast_to(context.astype(jnp.float32), lead + (C,)).reshape(R, C) if C else None
     out, v = _vsn_apply(params, xs.reshape((R, m, d)), c2, eps)
     return out.reshape(lead + (O,)), v.reshape(lead + (m,))

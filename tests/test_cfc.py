@@ -138,6 +138,21 @@ def test_negative_concrete_ts_raises(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_nan_concrete_ts_raises(mode):
+    """NaN is not a valid elapsed time (ts must be >= 0): a concrete NaN raises like a negative value instead
+    of silently turning that sample's state, and every later step of it, into NaN."""
+    params, xs, ts, h0 = _setup(mode, 1, seed=12)
+    xs, h0 = jnp.asarray(xs), jnp.asarray(h0)
+    bad = ts.copy()
+    bad[1, 3] = np.nan
+    for t in (float("nan"), np.float32("nan"), bad, jnp.asarray(bad), np.array([1.0, np.nan, 0.5], np.float32)):
+        with pytest.raises(ValueError, match="ts"):
+            cfc_scan(params, xs, t, h0, mode=mode)
+    with pytest.raises(ValueError, match="ts"):
+        cfc_cell(params, h0, xs[:, 0], float("nan"), mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_negative_traced_ts_gives_nan_in_those_steps_only(mode):
     params, xs, ts, h0 = _setup(mode, 1, seed=11)
     ts = ts.copy()
@@ -338,6 +353,40 @@ def test_cell_bad_arguments():
         cfc_cell(params, h, x, jnp.ones((4,)))
     with pytest.raises(ValueError, match="mode"):
         cfc_cell(params, h, x, mode="gru")
+
+
+def test_cell_errors_name_h_and_x():
+    """cfc_cell's errors name its own arguments h and x (not cfc_scan's h0 and xs), and a non-array is a
+    TypeError as in cfc_scan."""
+    params = cfc_init(jax.random.key(0), 5, 7, backbone_units=9)
+    h, x = jnp.zeros((3, 7)), jnp.zeros((3, 5))
+    with pytest.raises(ValueError, match=r"^h must have shape \[3, 7\], got \(3, 8\)"):
+        cfc_cell(params, jnp.zeros((3, 8)), x)
+    with pytest.raises(TypeError, match="^x must be float32, got float64"):
+        cfc_cell(params, h, np.zeros((3, 5)))
+    with pytest.raises(TypeError, match="^x must be float32, got int32"):
+        cfc_cell(params, h, np.zeros((3, 5), np.int32))
+    with pytest.raises(TypeError, match="^x must be an array, got list"):
+        cfc_cell(params, h, np.zeros((3, 5), np.float32).tolist())
+    with pytest.raises(TypeError, match="^h must be an array, got NoneType"):
+        cfc_cell(params, None, x)
+
+
+def test_malformed_backbone_names_params():
+    """A params dict without 'backbone', or whose backbone is not a list of {'w', 'b'} dicts, raises a ValueError
+    naming params['backbone'] (it gave KeyError/TypeError from inside, or blamed xs's width)."""
+    p = cfc_init(jax.random.key(0), 5, 7, backbone_units=9)
+    p0 = cfc_init(jax.random.key(0), 5, 7, backbone_layers=0)
+    w, b = p["backbone"][0]["w"], p["backbone"][0]["b"]
+    xs = jnp.zeros((2, 3, 5))
+    for bad in ({k: v for k, v in p.items() if k != "backbone"}, {k: v for k, v in p0.items() if k != "backbone"},
+                {**p, "backbone": [{"w": w}]}, {**p, "backbone": {"w": w, "b": b}}, {**p, "backbone": None},
+                {**p, "backbone": [w]}):
+        with pytest.raises(ValueError, match=r"^params.*'backbone'"):
+            cfc_scan(bad, xs)
+        with pytest.raises(ValueError, match=r"^params.*'backbone'"):
+            cfc_cell(bad, jnp.zeros((2, 7)), xs[:, 0])
+    assert cfc_scan({**p, "backbone": (p["backbone"][0],)}, xs).shape == (2, 3, 7)  # a tuple is fine
 
 
 @pytest.mark.parametrize("name,value", [

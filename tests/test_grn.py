@@ -279,6 +279,21 @@ def test_bfloat16_inputs_keep_float32_statistics():
     assert_f32_close(y, np_grn(q, np.asarray(x16.astype(jnp.float32)), np.asarray(c16.astype(jnp.float32))))
 
 
+def test_bfloat16_broadcast_context_gradient_rounded_once():
+    """A bfloat16 context broadcast over the input's leading dims ([B, 1, C] for [B, T, I]): its gradient is the
+    float32 gradient (summed over T in float32) rounded once, as the docstring says, not a bfloat16 sum over T."""
+    q = random_grn_params(3, 4, 5, 2, seed=10)
+    rng = np.random.default_rng(11)
+    B, T = 8, 4096
+    x16 = jnp.asarray(rng.standard_normal((B, T, 3)), jnp.bfloat16)
+    c16 = jnp.asarray(rng.standard_normal((B, 1, 2)), jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((B, T, 5)), jnp.float32)
+    gc = jax.grad(lambda c: jnp.sum(grn(q, x16, c) * r))(c16)
+    fc = jax.grad(lambda c: jnp.sum(grn(q, x16.astype(jnp.float32), c) * r))(c16.astype(jnp.float32))
+    assert gc.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(gc), np.asarray(fc.astype(jnp.bfloat16)))
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors.
 def test_errors():

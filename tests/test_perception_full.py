@@ -191,6 +191,17 @@ def test_module_errors_name_the_argument():
         GRN(4, 0, 6, rngs=nnx.Rngs(0))
 
 
+def test_module_eps_checked_at_construction():
+    """GRN/VSN check eps when built, as grn/vsn do (it was stored unchecked: eps=0 or -1 built a module that failed
+    at its first call, eps="1e-5" was accepted, eps=None raised float()'s TypeError not naming eps)."""
+    for make in (lambda e: GRN(4, 5, 6, eps=e, rngs=nnx.Rngs(0)), lambda e: VSN(3, 2, 4, 5, eps=e, rngs=nnx.Rngs(0))):
+        for bad, exc in ((0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), (1e-46, ValueError),
+                         ("1e-5", TypeError), (None, TypeError)):
+            with pytest.raises(exc, match="eps"):
+                make(bad)
+        assert make(1e-3).eps == 1e-3
+
+
 # ---------------------------------------------------------------- the full model
 def _np_perception(model, x):
     """The model's forward in float64 NumPy (module docstring equations), -> (logits [B], weights [B, T, m])."""

@@ -160,6 +160,22 @@ def test_bfloat16_inputs_keep_float32_statistics():
     np.testing.assert_array_equal(np.asarray(g16), np.asarray(g32.astype(jnp.bfloat16)))
 
 
+def test_bfloat16_broadcast_context_gradient_rounded_once():
+    """A bfloat16 static context [B, 1, C] for xs [B, T, m, d]: its gradient is the float32 gradient (summed over
+    T in float32) rounded once, as the docstring says, not a bfloat16 sum over T."""
+    m, d, H, O, C = 3, 2, 4, 5, 2
+    p = random_vsn_params(m, d, H, O, C, seed=19)
+    rng = np.random.default_rng(20)
+    B, T = 8, 4096
+    xs16 = jnp.asarray(rng.standard_normal((B, T, m, d)), jnp.bfloat16)
+    c16 = jnp.asarray(rng.standard_normal((B, 1, C)), jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((B, T, O)), jnp.float32)
+    gc = jax.grad(lambda c: jnp.sum(vsn(p, xs16, c)[0] * r))(c16)
+    fc = jax.grad(lambda c: jnp.sum(vsn(p, xs16.astype(jnp.float32), c)[0] * r))(c16.astype(jnp.float32))
+    assert gc.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(gc), np.asarray(fc.astype(jnp.bfloat16)))
+
+
 def test_errors():
     m, d, H, O, C = 3, 2, 4, 5, 2
     p = random_vsn_params(m, d, H, O, C)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfox.attention import attention_pool, attention_pool_init
-from jaxfox.grn import grn, grn_init
+from jaxfox.grn import _check_eps, grn, grn_init
 from jaxfox.vsn import vsn, vsn_init
 
 __all__ = ["GRN", "VSN", "AttentionPool"]
@@ -46,16 +46,19 @@ class GRN(nnx.Module):
         ``b4``/``b5`` [O], (``skip_w`` [I, O], ``skip_b`` [O] when I != O), ``gamma``/``beta`` [O].
 
     Raises:
-      ValueError: a size is not a positive int (as :func:`jaxfox.grn.grn_init`).
+      ValueError: a size is not a positive int (as :func:`jaxfox.grn.grn_init`), or eps is not a positive
+        finite float32.
+      TypeError: eps is not a number.
     """
 
     def __init__(self, input_size: int, hidden_size: int, output_size: int, *, context_size: int | None = None,
                  eps: float = 1e-5, rngs: nnx.Rngs):
+        eps = _check_eps(eps)
         p = grn_init(rngs.params(), input_size, hidden_size, output_size, context_size=context_size,
                      dtype=jnp.float32)
         self.input_size, self.hidden_size, self.output_size = int(input_size), int(hidden_size), int(output_size)
         self.context_size = None if context_size is None else int(context_size)
-        self.eps = float(eps)
+        self.eps = eps
         self.p = nnx.Dict({k: nnx.Param(v) for k, v in p.items()})
 
     @property
@@ -87,17 +90,20 @@ class VSN(nnx.Module):
         stacked along a leading axis m (``w2`` [m, d, Hd] ...).
 
     Raises:
-      ValueError: a size is not a positive int (as :func:`jaxfox.vsn.vsn_init`).
+      ValueError: a size is not a positive int (as :func:`jaxfox.vsn.vsn_init`), or eps is not a positive
+        finite float32.
+      TypeError: eps is not a number.
     """
 
     def __init__(self, num_vars: int, var_size: int, hidden_size: int, output_size: int, *,
                  context_size: int | None = None, eps: float = 1e-5, rngs: nnx.Rngs):
+        eps = _check_eps(eps)
         p = vsn_init(rngs.params(), num_vars, var_size, hidden_size, output_size, context_size=context_size,
                      dtype=jnp.float32)
         self.num_vars, self.var_size = int(num_vars), int(var_size)
         self.hidden_size, self.output_size = int(hidden_size), int(output_size)
         self.context_size = None if context_size is None else int(context_size)
-        self.eps = float(eps)
+        self.eps = eps
         self.selection = nnx.Dict({k: nnx.Param(v) for k, v in p["selection"].items()})
         self.variables = nnx.Dict({k: nnx.Param(v) for k, v in p["variables"].items()})
 
