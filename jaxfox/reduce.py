@@ -49,20 +49,17 @@ def _reduce_reference(x):
     return jnp.sum(x, axis=0)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _reduce(x):
     return dispatch(_reduce_kernel, _reduce_reference, x)
 
 
-def _reduce_fwd(x):
-    return _reduce(x), x.shape[0]
-
-
-def _reduce_bwd(batch, g):
-    return (jnp.broadcast_to(g, (batch,) + g.shape),)
-
-
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+@_reduce.defjvp
+def _reduce_jvp(primals, tangents):
+    # The op is linear: its tangent is the plain sum, which JAX transposes to a broadcast for reverse mode
+    # (the FFI call itself is neither differentiable nor transposable, so it only computes the primal).
+    (x,), (t,) = primals, tangents
+    return _reduce(x), jnp.sum(t, axis=0)
 
 
 def reduce_axis0(x: jax.Array) -> jax.Array:
@@ -71,7 +68,8 @@ def reduce_axis0(x: jax.Array) -> jax.Array:
     On CUDA the ``jaxfox_reduce_axis0`` kernel sums contiguous row ranges in groups of four,
     ((r0 + r1) + (r2 + r3)), left to right, and adds range partials in order (``ffi/reduce.cu``);
     no atomics, so the result is bitwise identical from run to run for a given shape. NaN and Inf
-    propagate. Elsewhere it is ``jnp.sum(x, axis=0)``.
+    propagate. Elsewhere it is ``jnp.sum(x, axis=0)``. Differentiable in forward and reverse mode (and to any
+    order; the op is linear): tangents are summed by ``jnp.sum``, cotangents broadcast.
 
     Raises:
       TypeError: ``x`` is not float32.

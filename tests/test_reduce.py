@@ -67,6 +67,19 @@ def test_grad_is_broadcast():
     np.testing.assert_allclose(np.asarray(gg), 2 * x, rtol=1e-6)
 
 
+def test_forward_mode_and_higher_order():
+    """The op is linear: jvp / jacfwd give the sum of the tangents, the Hessian of a quadratic is exact."""
+    x, t = _random((5, 7), seed=8), _random((5, 7), seed=9)
+    y, ty = jax.jvp(reduce_axis0, (jnp.asarray(x),), (jnp.asarray(t),))
+    assert_sum_close(y, x)
+    assert_sum_close(ty, t)
+    jac = np.asarray(jax.jacfwd(reduce_axis0)(jnp.asarray(x)))            # [P, B, P]
+    np.testing.assert_array_equal(jac, np.broadcast_to(np.eye(7)[:, None, :], (7, 5, 7)))
+    hess = np.asarray(jax.hessian(lambda x: jnp.sum(reduce_axis0(x) ** 2))(jnp.asarray(x)))  # [B, P, B, P]
+    want = 2.0 * np.einsum("pq,bc->bpcq", np.eye(7), np.ones((5, 5)))
+    np.testing.assert_array_equal(hess, want)
+
+
 def test_vmap_and_jit():
     x = _random((3, 70, 13), seed=7)
     got = jax.jit(jax.vmap(reduce_axis0))(x)
