@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match,
-                         smem_per_block_limit)
+from jaxfox._ffi import (_explicit_batch_axes, cuda_compute_capability, dispatch, ffi_call as _ffi_call,
+                         kernel_opted_in, psum_to_match, smem_per_block_limit)
 from jaxfox._validate import check_array, positive_int as _positive_int
 from jaxfox.losses import check_kappa, quantile_embedding, quantile_huber_loss
 from jaxfox.reduce import reduce_chunks
@@ -319,8 +319,8 @@ def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
     respect to params and psi (the backward of the head, which recomputes z from its inputs): the gradient is
     computed in the forward call and kept as the residual, so a forward alone pays for it too. When taus or the
     targets are differentiated, the composition (the head's kernels and the XLA loss) runs instead. Products in
-    TF32 as :func:`iqn_head`; forward mode only off the kernel path. Without the opt-in, and off CUDA, the
-    composition runs (the head's own kernels on CUDA).
+    TF32 as :func:`iqn_head`; forward mode only off the kernel path. Without the opt-in, off CUDA, and for a
+    batch split over Explicit mesh axes, the composition runs (the head's own kernels on CUDA, per shard).
 
     Source: Dabney et al. 2018 (IQN), eq. (3), (4) and (10); dopamine ``implicit_quantile_agent`` (OPS.md "Losses").
 
@@ -345,7 +345,10 @@ def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
         return quantile_huber_loss(_reference(params, psi, taus), taus, y, kappa)
 
     cfg = _LossConfig(K, H, N, kappa)
-    if (N == 0 or not kernel_opted_in("iqn_loss") or not _kernel_supported(_Config(K, H, N), B)
+    # a batch split over Explicit mesh axes: the composition, which runs per shard (the fused loss is a mean over
+    # the whole batch, computed on one device)
+    split = _explicit_batch_axes((psi, taus, target_quantiles), (True, True, True)) is not None
+    if (N == 0 or split or not kernel_opted_in("iqn_loss") or not _kernel_supported(_Config(K, H, N), B)
             or B * Nt >= 2**31):
         return quantile_huber_loss(iqn_head(params, psi, taus), taus, target_quantiles, kappa)
 

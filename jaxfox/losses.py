@@ -127,11 +127,14 @@ def _huber(d, kappa):
 
 
 def check_kappa(kappa):
-    """The Huber threshold as a Python float; TypeError if not a number, ValueError if not finite and > 0."""
+    """The Huber threshold as a Python float; TypeError if not a number, ValueError unless it is > 0 and finite
+    as a float32 (the loss is computed in float32: 1e-46 would be 0 there, 1e39 inf)."""
     if not _is_python_number(kappa):
         raise TypeError(f"kappa must be a float, got {type(kappa).__name__}")
-    if not (math.isfinite(float(kappa)) and float(kappa) > 0):
-        raise ValueError(f"kappa must be a finite float > 0, got {kappa!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        k32 = np.float32(kappa)
+    if not (math.isfinite(float(kappa)) and float(kappa) > 0 and np.isfinite(k32) and k32 > 0):
+        raise ValueError(f"kappa must be a float > 0 and finite in float32, got {kappa!r}")
     return float(kappa)
 
 

@@ -44,7 +44,8 @@ def case(B, N, K, H, seed=0):
     # the exact-math inputs, checks and float64 oracle of the tests (imported only once the kernels are known
     # to be available: test_gpu_iqn skips itself at import otherwise)
     from conftest import rel_err
-    from test_gpu_iqn import FWD, BWD, LOSS, TOL, _assert_close, _assert_far_from_kinks, _exact_inputs, _fused_grad
+    from test_gpu_iqn import (FWD, BWD, LOSS, TOL, _assert_close, _assert_far_from_kinks, _exact_inputs, _fused_grad,
+                              assert_fused_grads_close)
     from test_iqn import make_targets, np_iqn_forward, np_iqn_loss, np_iqn_vjp
 
     p, psi, taus, dz = _exact_inputs(B, N, K, H, seed)
@@ -74,13 +75,12 @@ def case(B, N, K, H, seed=0):
         print(f"iqn_head fwd+bwd {name} B={B} N={N} K={K} H={H}: ok", flush=True)
 
     y = jax.numpy.asarray(wz.mean(axis=1, keepdims=True) + make_targets(B, N + 3, seed=B), jax.numpy.float32)
-    loss_want, dz, _, _ = np_iqn_loss(p, psi, taus, y, 1.0)
-    lp, lpsi, _ = np_iqn_vjp(p, psi, taus, dz)
+    loss_want, _, _, _ = np_iqn_loss(p, psi, taus, y, 1.0)
     compiled = jax.jit(_fused_grad).lower(p, psi, taus, y).compile()
     assert LOSS in compiled.as_text(), "fused loss kernel not taken"
     loss, g = jax.device_get(jax.block_until_ready(compiled(p, psi, taus, y)))
     assert abs(float(loss) - loss_want) <= TOL * abs(loss_want), (float(loss), loss_want)
-    _assert_close(g, (lp, lpsi), TOL, "fused loss")
+    assert_fused_grads_close(g, p, psi, taus, y, 1.0, "fused loss")
     print(f"iqn_quantile_huber_loss B={B} N={N} N'={N + 3} K={K} H={H}: ok", flush=True)
 
 

@@ -51,7 +51,8 @@ import jaxfox
 from jaxfox import iqn_head, iqn_head_init, quantile_huber_loss
 
 from conftest import assert_command_buffers_identical, rel_err
-from test_iqn import KEYS, make_inputs, make_params, make_targets, np_iqn_forward, np_iqn_loss, np_iqn_vjp
+from test_iqn import (KEYS, make_inputs, make_params, make_targets, np_iqn_forward, np_iqn_loss, np_iqn_vjp,
+                      np_quantile_huber_at)
 
 if not jaxfox.kernels_available():
     pytest.skip(f"jaxfox CUDA kernels unavailable: {jaxfox.kernels_unavailable_reason()}",
@@ -535,6 +536,20 @@ def _loss_oracle(params, psi, taus, y, kappa=1.0):
     return loss, (dp, dpsi)
 
 
+def assert_fused_grads_close(g, params, psi, taus, y, kappa, what):
+    """The fused loss's gradient against the oracle's VJP at d z evaluated at the forward KERNEL's z: TF32 gives
+    z a systematic error (the weights are rounded once), which a float64 d z would turn into a large relative
+    error of d b_out = sum of d z (a cancelling sum when the targets sit around the quantiles). Every array within
+    TOL; d b_out within TOL times sum |d z| (the scale of that sum's terms)."""
+    z_kernel = _run(iqn_head, params, psi, taus, targets=(FWD,))
+    _, dz, _, _ = np_quantile_huber_at(z_kernel, taus, y, kappa)
+    dp, dpsi, _ = np_iqn_vjp(params, psi, taus, dz)
+    errs = _errors(g, (dp, dpsi))
+    bout = abs(float(np.asarray(g[0]["b_out"]).reshape(-1)[0]) - float(dp["b_out"][0])) / float(np.abs(dz).sum())
+    bad = {k: v for k, v in errs.items() if k != "db_out" and not v <= TOL}
+    assert not bad and bout <= TOL, f"{what}: rel err > {TOL}: {bad}, d b_out (scaled by sum |dz|) {bout:.3g}"
+
+
 LOSS_SHAPES = [  # B, N, N', K, H
     (37, 32, 32, 64, 128),    # 2 samples a tile, partial last tile
     (5, 1, 7, 64, 128),       # N = 1: 64 samples a tile; N' not a multiple of the 4 lanes a row
@@ -556,10 +571,10 @@ def test_fused_loss_exact_math_matches_oracle(fused_loss, B, N, Nt, K, H, kappa)
     z = np_iqn_forward(params, psi, taus)
     y = jnp.asarray(z.mean(axis=1, keepdims=True) + 2.0 * kappa * np.asarray(make_targets(B, Nt, seed=B)), jnp.float32)
     loss, g = _run_fused(params, psi, taus, y, kappa=kappa)
-    want_loss, want_g = _loss_oracle(params, psi, taus, y, kappa)
+    want_loss, _ = _loss_oracle(params, psi, taus, y, kappa)
     assert loss.dtype == np.float32 and loss.shape == ()
     assert abs(float(loss) - want_loss) <= TOL * abs(want_loss), (float(loss), want_loss)
-    _assert_close(g, want_g, TOL, "fused loss vs float64 oracle (exact-math inputs)")
+    assert_fused_grads_close(g, params, psi, taus, y, kappa, "fused loss vs oracle (exact-math inputs)")
 
 
 def test_fused_loss_typical_init_as_accurate_as_xla(fused_loss):

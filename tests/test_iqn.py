@@ -92,7 +92,12 @@ def np_iqn_loss(params, psi, taus, y, kappa):
     """The quantile Huber loss of z = iqn_head(params, psi, taus) against targets y [B, N'], float64, written from
     IQN eq. (3) / (10): loss = (1 / B) sum_b sum_i (1 / N') sum_j |tau_i - 1{d < 0}| L_kappa(d) / kappa with
     d = y_j - z_i. Returns (loss, d loss / d z [B, N], d loss / d y [B, N'], the indicator term's d loss / d tau)."""
-    z = np_iqn_forward(params, psi, taus)
+    return np_quantile_huber_at(np_iqn_forward(params, psi, taus), taus, y, kappa)
+
+
+def np_quantile_huber_at(z, taus, y, kappa):
+    """np_iqn_loss's loss and derivatives at given quantile values z [B, N] (float64)."""
+    z = np.asarray(z, np.float64)
     t, y = np.asarray(taus, np.float64), np.asarray(y, np.float64)
     B, Nt = y.shape
     d = y[:, None, :] - z[:, :, None]                                  # [B, N, N']
@@ -733,3 +738,23 @@ def test_aux_iqn_step_with_the_fused_loss_lowers_to_one_loss_call(loss_opted_in)
     batch = synthetic_batch(jax.random.key(1), cfg, 64)["iqn"]
     calls = [c for c in _calls(_cuda_text(tr.iqn_step, st.iqn, batch)) if c[0].startswith("jaxfox_iqn")]
     assert sorted(t for t, *_ in calls) == [FWD, LOSS], [t for t, *_ in calls]
+
+
+def test_iqn_loss_batch_split_over_explicit_axes_runs_the_composition_per_shard(loss_opted_in):
+    """Opted in, but psi / taus / targets split over an Explicit mesh axis: the fused loss (a mean over the whole
+    batch on one device) is not used; the head's kernels run per shard (4 of 16 rows)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from jaxfox.sharding import batch_sharding
+
+    B, N, K, H = 16, 32, 64, 128
+    mesh = jax.make_mesh((4,), ("batch",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    params = jax.device_put(make_params(K, H), NamedSharding(mesh, PartitionSpec()))
+    psi, taus, _ = make_inputs(B, N, H)
+    psi, taus, y = jax.device_put((psi, taus, make_targets(B, 32)), batch_sharding(mesh))
+    text = _cuda_text(_loss_grad((0, 1)), params, psi, taus, y)
+    calls = _calls(text)
+    assert sorted(t for t, *_ in calls) == [BWD, FWD], [t for t, *_ in calls]
+    for _, _, operands, _ in calls:
+        assert operands[1] == f"tensor<4x{H}xf32>", operands
+    assert "sdy.manual_computation" in text

@@ -272,3 +272,11 @@ def test_enable_concurrent_command_buffers_in_fresh_process(tmp_path):
     assert "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" in flags
     assert "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE" not in flags
     assert "--xla_cpu_use_thunk_runtime=true" in flags
+
+
+@pytest.mark.parametrize("kappa", [1e-46, 1e39])
+def test_quantile_huber_kappa_must_be_a_positive_finite_float32(kappa):
+    """The loss is float32: kappa = 1e-46 would be 0 there (NaN loss), 1e39 inf (loss 0); both are rejected."""
+    z = jnp.zeros((2, 3), jnp.float32)
+    with pytest.raises(ValueError, match="kappa"):
+        jaxfox.quantile_huber_loss(z, jnp.full((2, 3), 0.5, jnp.float32), z, kappa)
