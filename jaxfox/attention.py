@@ -216,13 +216,14 @@ def _kernel_path(cfg, params, hs, mask):
     B, T, H = hs.shape
     n = cfg.num_heads
     d = H // n
+    # no mask: every sample has a valid step, so b_o applies to all (no any/where over the mask)
+    bias = params["b_o"] if mask is None else jnp.where(jnp.any(mask, axis=1)[:, None], params["b_o"], 0.0)
     if mask is None:
         mask = jnp.ones((B, T), jnp.bool_)
     u = jnp.einsum("hjd,jd->hj", params["w_k"].reshape(H, n, d), params["q"].reshape(n, d)) / jnp.float32(
         math.sqrt(d))                                                          # [H, n]
     alpha, c = _stream(cfg, hs, mask, u)
     pv = jnp.einsum("bjh,hjd->bjd", c, params["w_v"].reshape(H, n, d)).reshape(B, H)
-    bias = jnp.where(jnp.any(mask, axis=1)[:, None], params["b_o"], 0.0)
     return pv @ params["w_o"] + bias, alpha
 
 
