@@ -19,8 +19,9 @@
 // dependent weight reads and were slower than XLA, BENCHMARKS.md).
 //
 // Kernels: a CTA of 256 threads owns G whole samples (G = attr samples_per_block: G T <= 64 rows unless T > 64,
-// fewer when they would not fit in 96 KiB; jaxfox/attention.py _samples_per_block) and stages their hs rows (float32; bfloat16 converted), u and the per-sample vectors in shared
-// memory (Layout below; jaxfox/attention.py _smem_bytes computes the same size). Forward: (b) scores, one
+// fewer when they would not fit in 96 KiB; jaxfox/attention.py _samples_per_block) and stages their hs rows
+// (float32; bfloat16 converted), u and the per-sample vectors in shared memory (Layout below;
+// jaxfox/attention.py _smem_bytes computes the same size). Forward: (b) scores, one
 // (row, head) a thread; (c) the softmax, one warp per (sample, head); (d) c, one (sample, head, column) a
 // thread summing over t in order. Backward: (b) a = dalpha + h . dc; (c) ds in place; (d) dh, one (row,
 // column) a thread; (e) the block's du partial [n, H], one (head, column) a thread summing the block's rows
@@ -86,6 +87,18 @@ struct Walk {
   }
 };
 
+// The samples of this block: G per block along blockIdx.x (the last block may hold fewer), instance blockIdx.y.
+struct BlockSamples {
+  int ns, R;   // samples in this block, their rows ns T
+  int64_t b0;  // global sample index (instance * B + first sample) of the block's first sample
+  __device__ __forceinline__ BlockSamples(int64_t B, int T, int G) {
+    const int64_t s0 = int64_t{blockIdx.x} * G;
+    ns = static_cast<int>(B - s0 < G ? B - s0 : G);
+    R = ns * T;
+    b0 = int64_t{blockIdx.y} * B + s0;
+  }
+};
+
 // Stages the block's hs rows [R][H] and u (given as [H, n]) as [n][hp].
 template <typename In>
 __device__ __forceinline__ void StageRowsAndU(float* sm, const Layout& L, const In* __restrict__ hs,
@@ -108,10 +121,9 @@ __global__ void __launch_bounds__(kThreads) attention_pool_fwd_kernel(
   extern __shared__ float sm[];
   const Layout L(G, T, H, n);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t s0 = int64_t{blockIdx.x} * G;
-  const int ns = static_cast<int>(B - s0 < G ? B - s0 : G);
-  const int R = ns * T;
-  const int64_t b0 = int64_t{blockIdx.y} * B + s0;  // global sample index of the block's first sample
+  const BlockSamples blk(B, T, G);
+  const int ns = blk.ns, R = blk.R;
+  const int64_t b0 = blk.b0;
 
   // (a) stage hs rows, u and the valid flags
   StageRowsAndU(sm, L, hs + b0 * T * H, u + int64_t{blockIdx.y} * H * n, R, H, n);
@@ -177,10 +189,9 @@ __global__ void __launch_bounds__(kThreads) attention_pool_bwd_kernel(
   extern __shared__ float sm[];
   const Layout L(G, T, H, n);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t s0 = int64_t{blockIdx.x} * G;
-  const int ns = static_cast<int>(B - s0 < G ? B - s0 : G);
-  const int R = ns * T;
-  const int64_t b0 = int64_t{blockIdx.y} * B + s0;
+  const BlockSamples blk(B, T, G);
+  const int ns = blk.ns, R = blk.R;
+  const int64_t b0 = blk.b0;
 
   // (a) stage hs rows, u, alpha, dalpha (into S) and dc
   StageRowsAndU(sm, L, hs + b0 * T * H, u + int64_t{blockIdx.y} * H * n, R, H, n);

@@ -514,6 +514,23 @@ ffi::Error CheckGradOutputs(const Dims& d, int64_t H, int64_t ppad, int64_t grid
   return ffi::Error::Success();
 }
 
+// The launch shared by the backward and the loss: dw = 0 for an empty batch; else `kernel` over `grid` persistent
+// blocks (each writing its parameter-gradient partial row of `part`), then the partials' ordered sum into dw.
+template <int K, int H, typename Kernel, typename... Args>
+ffi::Error LaunchAndReduce(cudaStream_t stream, const char* op, const char* launch, const Dims& d, Kernel kernel,
+                           int64_t grid, int64_t chunks, float* part, float* ws, float* dw, Args... args) {
+  using S = Layout<K, H, true>;
+  if (d.B == 0) {
+    cudaMemsetAsync(dw, 0, sizeof(float) * S::kPpad, stream);
+    return LastCudaError((std::string(launch) + " (B = 0)").c_str());
+  }
+  const int64_t bytes = int64_t{S::kTotal} * 4;
+  JAXFOX_RETURN_IF_ERROR(PrepareSmem(op, kernel, bytes));
+  kernel<<<static_cast<int>(grid), kThreads, bytes, stream>>>(args...);
+  JAXFOX_RETURN_IF_ERROR(LastCudaError(launch));
+  return LaunchReduceAxis0(stream, part, 1, grid, S::kPpad, chunks, chunks > 1 ? ws : nullptr, dw);
+}
+
 // FFI target jaxfox_iqn_head_bwd: (w, psi, taus, dz [B, N]) -> dw [P], d psi [B, H], d taus [B, N] or [0]
 // (not computed), and the workspaces partials [grid, P] and chunk partials [chunks * P] (or [0]).
 ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> psi,
@@ -535,20 +552,13 @@ ffi::Error IqnHeadBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
       return InvalidArgument("iqn_head: dtaus must be [B, N] or [0], got " + DimsToString(dtaus->dimensions()));
     }
     JAXFOX_RETURN_IF_ERROR(CheckGradOutputs(d, H, S::kPpad, grid, chunks, *dw, *dpsi, *part, *ws));
-    if (d.B == 0) {
-      cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * S::kPpad, stream);
-      return LastCudaError("iqn_head_bwd (B = 0)");
-    }
     auto kernel = want_taus ? iqn_head_kernel<K, H, true, true> : iqn_head_kernel<K, H, true, false>;
-    const int64_t bytes = int64_t{S::kTotal} * 4;
-    JAXFOX_RETURN_IF_ERROR(PrepareSmem("iqn_head", kernel, bytes));
-    kernel<<<static_cast<int>(grid), kThreads, bytes, stream>>>(
-        w.typed_data(), psi.typed_data(), taus.typed_data(), dz.typed_data(), static_cast<int>(d.B),
-        static_cast<int>(d.N), static_cast<int>(d.spt), static_cast<int>(d.tiles), nullptr, dpsi->typed_data(),
-        want_taus ? dtaus->typed_data() : nullptr, part->typed_data(), nullptr, 0, 1.f, 0.f, nullptr);
-    JAXFOX_RETURN_IF_ERROR(LastCudaError("iqn_head_bwd"));
-    return LaunchReduceAxis0(stream, part->typed_data(), 1, grid, S::kPpad, chunks,
-                             chunks > 1 ? ws->typed_data() : nullptr, dw->typed_data());
+    return LaunchAndReduce<K, H>(
+        stream, "iqn_head", "iqn_head_bwd", d, kernel, grid, chunks, part->typed_data(), ws->typed_data(),
+        dw->typed_data(), w.typed_data(), psi.typed_data(), taus.typed_data(), dz.typed_data(),
+        static_cast<int>(d.B), static_cast<int>(d.N), static_cast<int>(d.spt), static_cast<int>(d.tiles),
+        static_cast<float*>(nullptr), dpsi->typed_data(), want_taus ? dtaus->typed_data() : nullptr,
+        part->typed_data(), static_cast<const float*>(nullptr), 0, 1.f, 0.f, static_cast<float*>(nullptr));
   });
 }
 
@@ -579,21 +589,14 @@ ffi::Error IqnLossImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer
       return InvalidArgument("iqn_loss: loss_b must be [B], got " + DimsToString(loss_b->dimensions()));
     }
     JAXFOX_RETURN_IF_ERROR(CheckGradOutputs(d, H, S::kPpad, grid, chunks, *dw, *dpsi, *part, *ws));
-    if (d.B == 0) {
-      cudaMemsetAsync(dw->typed_data(), 0, sizeof(float) * S::kPpad, stream);
-      return LastCudaError("iqn_loss (B = 0)");
-    }
-    auto kernel = iqn_head_kernel<K, H, true, false, true>;
-    const int64_t bytes = int64_t{S::kTotal} * 4;
-    JAXFOX_RETURN_IF_ERROR(PrepareSmem("iqn_loss", kernel, bytes));
-    const float dz_scale = static_cast<float>(1.0 / (static_cast<double>(d.B) * static_cast<double>(nt)));
-    kernel<<<static_cast<int>(grid), kThreads, bytes, stream>>>(
-        w.typed_data(), psi.typed_data(), taus.typed_data(), nullptr, static_cast<int>(d.B), static_cast<int>(d.N),
-        static_cast<int>(d.spt), static_cast<int>(d.tiles), nullptr, dpsi->typed_data(), nullptr, part->typed_data(),
-        targets.typed_data(), static_cast<int>(nt), kappa, dz_scale, loss_b->typed_data());
-    JAXFOX_RETURN_IF_ERROR(LastCudaError("iqn_loss"));
-    return LaunchReduceAxis0(stream, part->typed_data(), 1, grid, S::kPpad, chunks,
-                             chunks > 1 ? ws->typed_data() : nullptr, dw->typed_data());
+    const double count = static_cast<double>(d.B) * static_cast<double>(nt);  // B = 0: no launch
+    const float dz_scale = count > 0 ? static_cast<float>(1.0 / count) : 0.f;
+    return LaunchAndReduce<K, H>(
+        stream, "iqn_loss", "iqn_loss", d, iqn_head_kernel<K, H, true, false, true>, grid, chunks,
+        part->typed_data(), ws->typed_data(), dw->typed_data(), w.typed_data(), psi.typed_data(), taus.typed_data(),
+        static_cast<const float*>(nullptr), static_cast<int>(d.B), static_cast<int>(d.N), static_cast<int>(d.spt),
+        static_cast<int>(d.tiles), static_cast<float*>(nullptr), dpsi->typed_data(), static_cast<float*>(nullptr),
+        part->typed_data(), targets.typed_data(), static_cast<int>(nt), kappa, dz_scale, loss_b->typed_data());
   });
 }
 
