@@ -135,8 +135,13 @@ def _reference(num_heads, params, hs, mask):
     where = None if mask is None else mask[:, None, :]
     alpha = jax.nn.softmax(s, axis=-1, where=where)                      # [B, n, T] float32
     pv = jnp.einsum("bjt,btjd->bjd", alpha, v).reshape(B, H)
+    return _output(params, pv, mask), alpha
+
+
+def _output(params, pv, mask):
+    """pooled = pv W_o + b_o [B, H]; b_o only for samples with a valid step (all of them when mask is None)."""
     bias = params["b_o"] if mask is None else jnp.where(jnp.any(mask, axis=1)[:, None], params["b_o"], 0.0)
-    return pv @ params["w_o"] + bias, alpha
+    return pv @ params["w_o"] + bias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,15 +221,12 @@ def _kernel_path(cfg, params, hs, mask):
     B, T, H = hs.shape
     n = cfg.num_heads
     d = H // n
-    # no mask: every sample has a valid step, so b_o applies to all (no any/where over the mask)
-    bias = params["b_o"] if mask is None else jnp.where(jnp.any(mask, axis=1)[:, None], params["b_o"], 0.0)
-    if mask is None:
-        mask = jnp.ones((B, T), jnp.bool_)
+    valid = jnp.ones((B, T), jnp.bool_) if mask is None else mask
     u = jnp.einsum("hjd,jd->hj", params["w_k"].reshape(H, n, d), params["q"].reshape(n, d)) / jnp.float32(
         math.sqrt(d))                                                          # [H, n]
-    alpha, c = _stream(cfg, hs, mask, u)
+    alpha, c = _stream(cfg, hs, valid, u)
     pv = jnp.einsum("bjh,hjd->bjd", c, params["w_v"].reshape(H, n, d)).reshape(B, H)
-    return pv @ params["w_o"] + bias, alpha
+    return _output(params, pv, mask), alpha
 
 
 def _dispatch(cfg, params, hs, mask):
