@@ -407,11 +407,17 @@ def test_shapes_outside_the_kernel_run_the_reference(B, N, K, H):
 # ----------------------------------------------------------------------------------------------
 # Command buffers (CUDA graphs) on and off: bitwise the same results.
 _CMDBUF_SCRIPT = textwrap.dedent("""
-    import sys
+    import os, sys
+    os.environ["JAXFOX_OPT_IN_KERNELS"] = "iqn_loss"  # the fused loss kernel (read when a function is traced)
     import jax, jax.numpy as jnp, numpy as np
     import jaxfox
     assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
     out = {}
+
+    def record(tag, it, c, l, gp, **more):
+        for name, v in dict(c=c, loss=l, **more, **{f"g{k}": v for k, v in gp.items()}).items():
+            out[f"{tag}_{name}_run{it}"] = v
+
     for (B, N, K, H) in ((37, 32, 64, 128), (9, 24, 32, 64), (1000, 32, 64, 128)):
         rng = np.random.default_rng(B)
         p = jaxfox.iqn_head_init(jax.random.key(B), H, n_cos=K)
@@ -435,17 +441,32 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
         assert "jaxfox_iqn_head_fwd" in text and "jaxfox_iqn_head_bwd" in text
         for it in range(3):  # command buffers are recorded / updated over the first executions
             c, (l, gp, gt) = jax.device_get(run(p, psi, taus))
-            out[f"{B}_c_run{it}"] = c
-            out[f"{B}_loss_run{it}"] = l
-            out[f"{B}_gtaus_run{it}"] = gt
-            for k, v in gp.items():
-                out[f"{B}_g{k}_run{it}"] = v
+            record(B, it, c, l, gp, gtaus=gt)
+
+        # the fused loss (jaxfox_iqn_loss) at the same shape
+        y = jnp.asarray(0.05 * rng.standard_normal((B, N)), jnp.float32)
+
+        @jax.jit
+        def run_loss(p, s):
+            def body(c, _):
+                l, (gp, gs) = jax.value_and_grad(lambda p, s: jaxfox.iqn_quantile_huber_loss(p, s, taus, y),
+                                                 argnums=(0, 1))(p, s + 1e-3 * c)
+                return c + gs, (l, gp)
+            return jax.lax.scan(body, jnp.zeros_like(s), None, length=3)
+
+        text = run_loss.lower(p, psi).compile().as_text()
+        assert "jaxfox_iqn_loss" in text and "jaxfox_iqn_head_fwd" not in text
+        for it in range(3):
+            c, (l, gp) = jax.device_get(run_loss(p, psi))
+            record(f"{B}_fused", it, c, l, gp)
     np.savez(sys.argv[1], **out)
     print("DONE", len(out))
 """)
 
 
 def test_command_buffers_on_off_identical(tmp_path):
+    """The head's forward / backward kernels and the fused loss (opted in inside the child script) give the same
+    bits with command buffers on and off."""
     assert_command_buffers_identical(_CMDBUF_SCRIPT, tmp_path)
 
 
@@ -627,43 +648,6 @@ def test_fused_loss_nan_target_stays_in_its_sample(fused_loss):
     assert np.isnan(dpsi_bad[3]).any()
     others = np.arange(B) != 3
     assert np.array_equal(dpsi_bad[others], dpsi_ok[others])
-
-
-_CMDBUF_LOSS_SCRIPT = textwrap.dedent("""
-    import sys
-    import jax, jax.numpy as jnp, numpy as np
-    import jaxfox
-    out = {}
-    for B in (37, 1000):
-        k = jax.random.split(jax.random.key(B), 4)
-        p = jaxfox.iqn_head_init(k[0], 128, n_cos=64)
-        psi = jax.nn.relu(jax.random.normal(k[1], (B, 128), jnp.float32))
-        taus = jax.random.uniform(k[2], (B, 32), jnp.float32)
-        y = 0.05 * jax.random.normal(k[3], (B, 32), jnp.float32)
-
-        @jax.jit
-        def run(p, s):  # several dependent fused calls: a graph worth capturing
-            def body(c, _):
-                l, (gp, gs) = jax.value_and_grad(lambda p, s: jaxfox.iqn_quantile_huber_loss(p, s, taus, y),
-                                                 argnums=(0, 1))(p, s + 1e-3 * c)
-                return c + gs, (l, gp)
-            return jax.lax.scan(body, jnp.zeros_like(s), None, length=3)
-
-        text = run.lower(p, psi).compile().as_text()
-        assert "jaxfox_iqn_loss" in text and "jaxfox_iqn_head_fwd" not in text
-        for it in range(3):
-            c, (l, gp) = jax.device_get(run(p, psi))
-            out[f"{B}_c_run{it}"] = c
-            out[f"{B}_loss_run{it}"] = l
-            for name, v in gp.items():
-                out[f"{B}_g{name}_run{it}"] = v
-    np.savez(sys.argv[1], **out)
-    print("DONE", len(out))
-""")
-
-
-def test_fused_loss_command_buffers_on_off_identical(fused_loss, tmp_path):
-    assert_command_buffers_identical(_CMDBUF_LOSS_SCRIPT, tmp_path)
 
 
 def test_aux_iqn_trainer_loss_falls_with_the_fused_loss(fused_loss):
