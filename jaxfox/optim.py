@@ -174,6 +174,16 @@ class FusedAdamWState(NamedTuple):
 
 
 def _check_float_hyper(name, value, lo, hi=None, lo_open=False, hi_open=False):
+    """A hyperparameter as a Python float (range-checked), or a traced 0-d array returned unchecked (the values
+    ``optax.inject_hyperparams`` passes inside a jitted update; concrete 0-d arrays are checked like floats)."""
+    if hasattr(value, "dtype") and not isinstance(value, (np.integer, np.floating)):
+        dt = jnp.dtype(value.dtype)
+        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)) or tuple(np.shape(value)) != ():
+            raise TypeError(f"{name} must be a float or a 0-d float array, got {dt} array of shape "
+                            f"{tuple(np.shape(value))}")
+        if isinstance(value, jax.core.Tracer):
+            return value
+        value = np.asarray(value).item()
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     v = float(value)
@@ -306,6 +316,10 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         the increment, 0 at the first update, like ``optax.scale_by_learning_rate``).
       b1, b2: moment decay rates in [0, 1).  eps: >= 0, added to sqrt(v_hat).
       weight_decay: decoupled decay rate >= 0, multiplied by the learning rate.
+      (learning_rate, b1, b2, eps, weight_decay and max_grad_norm may also be 0-d float arrays, traced ones
+      included, so ``optax.inject_hyperparams(fused_adamw)(learning_rate=...)`` works; concrete values are
+      range-checked, traced ones cannot be. With traced b1, b2, eps, weight_decay or max_grad_norm, ``step``
+      runs XLA's update, never the kernel, whose attributes are compile-time constants.)
       mask: which parameters are decayed. None: :func:`default_decay_mask` (leaves with
         ndim >= 2). Else a pytree with the structure of params (or a prefix of it) whose leaves
         are bools or bool arrays of the leaf's shape (elementwise, e.g. for a flat buffer), or a
@@ -335,13 +349,17 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         params missing, a malformed mask.
     """
     if not callable(learning_rate):
-        _check_float_hyper("learning_rate", learning_rate, 0.0)
+        learning_rate = _check_float_hyper("learning_rate", learning_rate, 0.0)
     b1 = _check_float_hyper("b1", b1, 0.0, 1.0, hi_open=True)
     b2 = _check_float_hyper("b2", b2, 0.0, 1.0, hi_open=True)
     eps = _check_float_hyper("eps", eps, 0.0)
     weight_decay = _check_float_hyper("weight_decay", weight_decay, 0.0)
     if max_grad_norm is not None:
         max_grad_norm = _check_float_hyper("max_grad_norm", max_grad_norm, 0.0)
+    # Traced hyperparameters (optax.inject_hyperparams inside jit) cannot be kernel attributes: XLA then. A traced
+    # learning rate alone is fine for the kernel (it is one of its device scalars).
+    traced_hypers = any(isinstance(h, jax.core.Tracer) for h in (b1, b2, eps, weight_decay, max_grad_norm))
+    decay = isinstance(weight_decay, jax.core.Tracer) or weight_decay != 0.0
     if not isinstance(flatten_moments, (bool, np.bool_)):
         raise TypeError(f"flatten_moments must be a bool, got {type(flatten_moments).__name__}")
     flatten_moments = bool(flatten_moments)
@@ -385,11 +403,11 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
     def update_fn(updates, state, params=None):
         check(updates, state, params, "update")
         if not flatten_moments:
-            return core(updates, state, params, _full_mask(mask_fn, updates, params) if weight_decay != 0.0 else None)
+            return core(updates, state, params, _full_mask(mask_fn, updates, params) if decay else None)
         # optax.flatten: the update on the raveled tree, split back into the leaves.
         layout = state.mu.layout
         dmask = None
-        if weight_decay != 0.0:
+        if decay:
             masks = [m if isinstance(m, bool) else jnp.broadcast_to(m, p.shape).reshape(-1)
                      for m, p in zip(jax.tree.leaves(_full_mask(mask_fn, updates, params)), jax.tree.leaves(params))]
             if all(isinstance(m, bool) for m in masks) and len(set(masks)) <= 1:
@@ -417,11 +435,11 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         count_inc, bc1, bc2, step = step_scalars(state.count)
         u = jax.tree.map(lambda m, v: (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype)) + eps), mu, nu)
         # optax.add_decayed_weights under optax.masked.
-        if weight_decay != 0.0:
+        if decay:
             u = jax.tree.map(lambda x, p, m: (x + weight_decay * p) if m is True else
                              (x if m is False else jnp.where(m, x + weight_decay * p, x)), u, params, dmask)
         # optax.scale_by_learning_rate.
-        if callable(learning_rate):
+        if callable(learning_rate) or isinstance(learning_rate, jax.core.Tracer):
             u = jax.tree.map(lambda x: jnp.array(step, dtype=x.dtype) * x, u)
         else:
             u = jax.tree.map(lambda x: step * x, u)
@@ -442,7 +460,7 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         count_inc, bc1, bc2, lr_neg = step_scalars(state.count)
         scalars = jnp.stack([jnp.asarray(lr_neg, jnp.float32), bc1.astype(jnp.float32), bc2.astype(jnp.float32)])
         modes, masks = [0] * L, [jnp.zeros((0,), jnp.bool_)] * L
-        if weight_decay != 0.0:
+        if decay:
             for i, m in enumerate(jax.tree.leaves(_full_mask(mask_fn, grads, params))):
                 if isinstance(m, bool):
                     modes[i] = 1 if m else 0
@@ -484,7 +502,7 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         like = flatten_moments or all(jax.tree.structure(m) == jax.tree.structure(params) and all(
             tuple(a.shape) == tuple(b.shape) for a, b in zip(jax.tree.leaves(m), jax.tree.leaves(params)))
             for m in (state.mu, state.nu))
-        if not like or sum(sizes) == 0 or not (_kernel_by_default(sizes) or kernel_opted_in("adamw")):
+        if not like or traced_hypers or sum(sizes) == 0 or not (_kernel_by_default(sizes) or kernel_opted_in("adamw")):
             return reference_step(grads, state, params)
         return dispatch(kernel_step, reference_step, grads, state, params)
 
@@ -502,7 +520,8 @@ def ema_update(target, online, tau):
     the target values bitwise. Both hold for every input, finite or not, because they are selected
     with ``jnp.where`` on tau (for a concrete Python tau of exactly 0 or 1 the leaves are returned
     without computation). For 0 < tau < 1 the result is ``tau * online + (1 - tau) * target`` in the
-    leaf dtype (two products and a sum, each rounded; never ``target + tau * (online - target)``,
+    leaf dtype, computed in float32 for narrower leaves (bfloat16, float16) and rounded once, so tau is
+    never rounded to the leaf dtype (two products and a sum, each rounded; never ``target + tau * (online - target)``,
     which breaks the tau = 0 identity for target = -0.0 and overflows for opposite-sign values near
     the float max). NaN/Inf propagate there.
 
@@ -546,8 +565,11 @@ def ema_update(target, online, tau):
                 return jax.tree.map(jnp.asarray, online)
 
     def leaf(a, b):
-        tt = jnp.asarray(tau, a.dtype)
-        mixed = tt * b + (1 - tt) * a
+        # at least float32: tau = 0.995 in bfloat16 is 0.99609375 (a 22 % error in 1 - tau), so narrow leaves are
+        # mixed in float32 and rounded once
+        ct = jnp.promote_types(a.dtype, jnp.float32)
+        tt = jnp.asarray(tau, ct)
+        mixed = (tt * b.astype(ct) + (1 - tt) * a.astype(ct)).astype(a.dtype)
         return jnp.where(tt == 1, b, jnp.where(tt == 0, a, mixed))
 
     return jax.tree.map(leaf, target, online)

@@ -7,6 +7,8 @@ nearest-value search for bfloat16 rounding. None of them calls jaxfox.optim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,6 +154,43 @@ def test_adamw_matches_float64_equations(clip):
     want = np_adamw(params, grads, lr_fn, 0.9, 0.999, 1e-8, 0.1, {"w": True, "b": False}, clip)
     for k in params:
         np.testing.assert_allclose(np.asarray(p[k]), want[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_adamw_under_inject_hyperparams(flat):
+    """optax.inject_hyperparams(fused_adamw): the hyperparameters arrive as (traced) 0-d arrays; the result follows
+    optax's own chain under the same wrapper, including a learning rate changed in the state mid-run."""
+    params = mlp_params(5)
+
+    # every numeric argument of fused_adamw becomes a float32 array under the wrapper (b2 too: 1 - b2 is then a
+    # float32 difference, not Python's float64 one), so optax's side takes all of them as well
+    def optax_factory(learning_rate, b1, b2, eps, weight_decay, max_grad_norm):
+        return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                           optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=ndim_mask))
+
+    hp = dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1, max_grad_norm=0.4)
+    ours = optax.inject_hyperparams(functools.partial(optim.fused_adamw, flatten_moments=flat))(**hp)
+    ref = optax.inject_hyperparams(optax_factory)(**hp)
+
+    def run(tx):
+        state, p = tx.init(params), params
+        upd = jax.jit(lambda g, s, p: tx.update(g, s, p))
+        for t in range(6):
+            if t == 3:
+                state.hyperparams["learning_rate"] = jnp.asarray(4e-2, jnp.float32)
+            u, state = upd(grads_at(t, params, 0.3), state, p)
+            p = optax.apply_updates(p, u)
+        return p
+
+    got, want = run(ours), run(ref)
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), want, params)
+    assert max(jax.tree.leaves(moved)) > 0.1  # six steps of ~1e-2 .. 4e-2 moved the params
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="learning_rate"):  # concrete arrays are range-checked
+        optim.fused_adamw(jnp.asarray(-1e-3))
+    with pytest.raises(TypeError, match="b1 must be a float or a 0-d float array"):
+        optim.fused_adamw(1e-3, b1=jnp.asarray([0.9, 0.9]))
 
 
 def test_adamw_explicit_and_elementwise_masks():
@@ -304,6 +343,26 @@ def test_ema_values():
                                    rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(np.asarray(f(jnp.asarray(tgt), jnp.asarray(onl), jnp.float32(tau))), want,
                                    rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ema_narrow_leaves_mix_in_float32(dtype):
+    """tau is not rounded to the leaf dtype (0.995 in bfloat16 is 0.99609375): the result is the float64 mix
+    rounded once to the leaf dtype."""
+    rng = np.random.default_rng(1)
+    tgt = jnp.asarray(rng.normal(size=(256,)), dtype)
+    onl = tgt + jnp.asarray(rng.normal(size=(256,)) * 4, dtype)  # far enough apart that 1 - tau matters
+    for tau in (0.995, 0.9, 0.3):
+        want = (tau * np.asarray(onl, np.float64) + (1 - tau) * np.asarray(tgt, np.float64))
+        want = np.asarray(jnp.asarray(want.astype(np.float32)).astype(dtype), np.float64)
+        for t in (tau, jnp.float32(tau)):
+            got = optim.ema_update({"w": tgt}, {"w": onl}, t)["w"]
+            assert got.dtype == dtype
+            ulp = np.spacing(np.abs(want).astype(np.float16 if dtype == jnp.float16 else np.float32)).astype(np.float64)
+            if dtype == jnp.bfloat16:
+                ulp = ulp * 2.0 ** 16  # bfloat16 keeps 8 of float32's 24 significand bits
+            # one ulp of the leaf dtype (float64 -> float32 -> leaf is a double rounding near ties)
+            assert np.all(np.abs(np.asarray(got, np.float64) - want) <= ulp), tau
 
 
 def test_ema_validation():
@@ -633,6 +692,15 @@ def test_step_kernel_path_mask_modes_and_fallbacks(monkeypatch):
     big["a"] = jnp.zeros((400, 400))                          # mean 80005: XLA
     assert not _adamw_calls(_lower_step(tx, big, tx.init(big), big))
     assert optim._kernel_by_default([65536, 65536]) and not optim._kernel_by_default([65537, 65536])
+    # traced hyperparameters: a traced learning rate is a device scalar of the kernel; a traced b1 (a kernel
+    # attribute otherwise) sends step to XLA
+    def lower_traced(**hyper):
+        def f(h, g, p):
+            t = optim.fused_adamw(**{**dict(learning_rate=1e-3, weight_decay=0.1), **{k: h for k in hyper}})
+            return t.step(g, t.init(p), p)
+        return jax.jit(f).trace(jnp.float32(0.5), gtree, tree).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(_adamw_calls(lower_traced(learning_rate=True))) == 1
+    assert not _adamw_calls(lower_traced(b1=True))
     # moments of another structure than params (not from init): the reference decides (and raises)
     with jaxfox.use_reference():
         monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: False)
