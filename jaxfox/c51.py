@@ -99,6 +99,13 @@ def _check_support(support, n_atoms=None, origin=""):
         z = np.asarray(support, np.float64)
         if not np.all(np.isfinite(z)):
             raise ValueError("support must be finite; got NaN or Inf")
+        with np.errstate(over="ignore"):
+            z32 = z.astype(np.float32)
+            span32 = z32[-1] - z32[0]
+        if not (np.all(np.isfinite(z32)) and np.isfinite(span32)):  # the ops compute in float32
+            raise ValueError(f"support must lie within float32's range with a finite float32 span support[-1] - "
+                             f"support[0] (the ops compute in float32); got support[0] = {float(z[0])!r}, "
+                             f"support[-1] = {float(z[-1])!r}")
         diffs = np.diff(z)
         if not np.all(diffs > 0):
             k = int(np.argmax(~(diffs > 0)))

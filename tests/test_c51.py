@@ -507,6 +507,16 @@ def test_float32_linspace_supports_are_accepted(N, lo, hi):
     np.testing.assert_allclose(np.asarray(m), np.asarray(p), atol=1e-6, rtol=0)
 
 
+def test_support_beyond_float32_range_is_rejected():
+    """The ops compute in float32: a span support[-1] - support[0] that overflows float32 gave NaN masses; it is
+    an error now, while a support of half float32's range still projects without loss."""
+    p = jax.nn.softmax(jnp.arange(4 * 51, dtype=jnp.float32).reshape(4, 51) / 50)
+    with pytest.raises(ValueError, match="support must lie within float32's range"):
+        categorical_projection(jnp.linspace(-3e38, 3e38, 51, dtype=jnp.float32), p, jnp.zeros(4), jnp.ones(4))
+    m = categorical_projection(jnp.linspace(-1.5e38, 1.5e38, 51, dtype=jnp.float32), p, jnp.zeros(4), jnp.ones(4))
+    np.testing.assert_allclose(np.asarray(m), np.asarray(p), atol=1e-6, rtol=0)  # r = 0, discount 1: identity
+
+
 def test_projection_and_dueling_errors_name_the_argument():
     p = np.full((3, 11), 1 / 11, np.float32)
     one = np.ones(3, np.float32)
