@@ -343,8 +343,9 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
       params: from :func:`cfc_init` (same ``mode``).
       xs: [B, T, I] float32, batch-major (ncps ``batch_first=True``).
       ts: elapsed time of each step in bars: a scalar, [B] (one per sample) or [B, T] (per step).
-        Must be >= 0 (0 is valid; NaN is not). Under ``jit`` a negative traced value cannot raise; the
-        affected steps' outputs are NaN instead.
+        Must be >= 0 (0 is valid; NaN is not). Under ``jit`` a negative or NaN traced value cannot raise:
+        a negative one makes that step's output NaN (later steps are unaffected); a NaN one makes the
+        sample's state NaN from that step on (the recurrence carries it).
       h0: initial state [B, H] float32, or None for zeros.
       mode: "default", "no_gate" or "pure" (module docstring).
 

@@ -106,19 +106,32 @@ def grn_init(key, input_size, hidden_size, output_size, *, context_size=None, dt
     return p
 
 
-def _grn_sizes(params, name="params", lead=()):
-    """Validates GRN params (each leaf with leading dims `lead`); returns (I, C, H, O), C = 0 without context."""
+def _most_common(sizes):
+    """The most frequent of `sizes` (the first one seen among equally frequent ones)."""
+    return max(dict.fromkeys(sizes), key=sizes.count)
+
+
+def _grn_sizes(params, name="params", lead=(), init="grn_init"):
+    """Validates GRN params (each leaf with leading dims `lead`); returns (I, C, H, O), C = 0 without context.
+    `init`: the function the error messages tell the user to create the params with."""
     if not isinstance(params, dict):
-        raise TypeError(f"{name} must be the dict returned by grn_init, got {type(params).__name__}")
+        raise TypeError(f"{name} must be the dict returned by {init}, got {type(params).__name__}")
     missing = [k for k in _REQUIRED if k not in params]
     if missing:
-        raise ValueError(f"{name} is missing {missing} (create it with grn_init)")
+        raise ValueError(f"{name} is missing {missing} (create it with {init})")
     lead = tuple(lead)
-    w2 = params["w2"]
-    _check_array(f"{name}['w2']", w2, lead + (None, None))
-    I, H = w2.shape[-2:]
-    _check_array(f"{name}['w4']", params["w4"], lead + (H, None))
-    O = params["w4"].shape[-1]
+    for k in ("w2", "w1", "w4", "w5"):
+        _check_array(f"{name}['{k}']", params[k], lead + (None, None))
+    for k in ("b2", "b1", "b4", "b5", "gamma", "beta"):
+        _check_array(f"{name}['{k}']", params[k], lead + (None,))
+    # Hd and O are the widths most leaves agree on, so that the error below names the leaf that differs
+    # (taking Hd from w2 alone reported a wrong w2 as a w4 mismatch)
+    H = _most_common([params["w2"].shape[-1], *params["w1"].shape[-2:], params["b1"].shape[-1],
+                      params["b2"].shape[-1], params["w4"].shape[-2], params["w5"].shape[-2]])
+    O = _most_common([params[k].shape[-1] for k in ("w4", "w5", "b4", "b5", "gamma", "beta")])
+    I = params["w2"].shape[-2]
+    _check_array(f"{name}['w2']", params["w2"], lead + (I, H))
+    _check_array(f"{name}['w4']", params["w4"], lead + (H, O))
     _check_array(f"{name}['b2']", params["b2"], lead + (H,))
     _check_array(f"{name}['w1']", params["w1"], lead + (H, H))
     _check_array(f"{name}['b1']", params["b1"], lead + (H,))
@@ -136,7 +149,7 @@ def _grn_sizes(params, name="params", lead=()):
     if I != O:
         if "skip_w" not in params or "skip_b" not in params:
             raise ValueError(f"{name} has input width {I} != output width {O} and so needs 'skip_w' and "
-                             "'skip_b' (create it with grn_init)")
+                             f"'skip_b' (create it with {init})")
         _check_array(f"{name}['skip_w']", params["skip_w"], lead + (I, O))
         _check_array(f"{name}['skip_b']", params["skip_b"], lead + (O,))
     elif "skip_w" in params or "skip_b" in params:

@@ -92,11 +92,11 @@ def _vsn_sizes(params):
         raise ValueError("params['variables'] must hold the stacked per-variable GRNs of vsn_init "
                          "('w2' of shape [m, d, Hd])")
     m = var["w2"].shape[0]
-    d, C0, H, O = _grn_sizes(var, "params['variables']", lead=(m,))
+    d, C0, H, O = _grn_sizes(var, "params['variables']", lead=(m,), init="vsn_init")
     if C0:
         raise ValueError("params['variables'] must not have a context weight 'w3' (the per-variable GRNs "
                          "take no context)")
-    I_s, C, H_s, O_s = _grn_sizes(params["selection"], "params['selection']")
+    I_s, C, H_s, O_s = _grn_sizes(params["selection"], "params['selection']", init="vsn_init")
     if I_s != m * d or O_s != m or H_s != H:
         raise ValueError(f"params['selection'] must be a GRN with input m*d={m * d}, hidden {H} and output "
                          f"m={m}; got input {I_s}, hidden {H_s}, output {O_s}")

@@ -313,6 +313,8 @@ def test_errors():
     _bad(lambda: grn(q, a, c), ValueError, "context", "w3")
     _bad(lambda: grn({**q, "w1": jnp.ones((6, 5))}, a), ValueError, "params['w1']", "[6, 6]", "(6, 5)")
     _bad(lambda: grn({**q, "b5": jnp.ones((4,))}, a), ValueError, "params['b5']", "[3]")
+    _bad(lambda: grn({**q, "w2": jnp.ones((5, 7))}, a), ValueError, "params['w2']", "[5, 6]", "(5, 7)")
+    _bad(lambda: grn({**q, "w5": jnp.ones((6, 4))}, a), ValueError, "params['w5']", "[6, 3]", "(6, 4)")
     _bad(lambda: grn({**q, "w4": q["w4"].astype(jnp.bfloat16)}, a), TypeError, "params['w4']", "float32")
     _bad(lambda: grn({k: v for k, v in q.items() if k != "gamma"}, a), ValueError, "params", "gamma")
     _bad(lambda: grn({k: v for k, v in q.items() if k != "skip_w"}, a), ValueError, "params", "skip_w")

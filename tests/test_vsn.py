@@ -196,6 +196,8 @@ def test_errors():
          "params['selection']")
     bad_var = {**q["variables"], "w1": q["variables"]["w1"][:, :, :3]}
     _bad(lambda: vsn({**q, "variables": bad_var}, xs), ValueError, "params['variables']['w1']")
+    bad_var = {k: v for k, v in q["variables"].items() if k != "gamma"}
+    _bad(lambda: vsn({**q, "variables": bad_var}, xs), ValueError, "params['variables']", "gamma", "vsn_init")
     bad_var = {**q["variables"], "b4": q["variables"]["b4"][:2]}
     _bad(lambda: vsn({**q, "variables": bad_var}, xs), ValueError, "params['variables']['b4']")
     _bad(lambda: vsn(q, xs, eps=0.0), ValueError, "eps")
