@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 
@@ -218,23 +219,28 @@ def psum_to_match(cts, primals):
     return tuple(out)
 
 
+def _batch_dims(batch):
+    """``batch`` entries as the axis of the batch in each argument, or None (replicated): True is axis 0."""
+    return [None if b is None or b is False else (0 if b is True else int(b)) for b in batch]
+
+
 def _explicit_batch_axes(args, batch):
-    """The explicit mesh axes that split the leading (batch) axis of the ``batch`` args, or None.
+    """The explicit mesh axes that split the batch axis of the ``batch`` args, or None.
 
     Read from the arguments' types (``jax.typeof(x).sharding``), which carry a sharding only for
     meshes with Explicit axes (``jax.make_mesh``'s default); the first batch leaf that is split wins.
     """
     from jax.sharding import AxisType
 
-    for arg, is_batch in zip(args, batch):
-        if not is_batch:
+    for arg, d in zip(args, _batch_dims(batch)):
+        if d is None:
             continue
         for leaf in jax.tree.leaves(arg):
             sharding = getattr(jax.typeof(leaf), "sharding", None)
             mesh = getattr(sharding, "mesh", None)
-            if mesh is None or mesh.empty or not len(sharding.spec) or sharding.spec[0] is None:
+            if mesh is None or mesh.empty or len(sharding.spec) <= d or sharding.spec[d] is None:
                 continue
-            axes = sharding.spec[0]
+            axes = sharding.spec[d]
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
             types = dict(zip(mesh.axis_names, mesh.axis_types))
             if axes and all(types.get(a) == AxisType.Explicit for a in axes):
@@ -242,18 +248,34 @@ def _explicit_batch_axes(args, batch):
     return None
 
 
-def dispatch(kernel_fn, reference_fn, *args, batch=None):
+def _only_batch_split(args, dims, mesh, axes) -> bool:
+    """True when every batch leaf's batch axis divides over ``axes`` and no batch leaf is split along another
+    axis (then each device's rows are a shard_map block; else XLA must partition the op: the reference)."""
+    n = math.prod(mesh.shape[a] for a in axes)
+    for arg, d in zip(args, dims):
+        if d is None:
+            continue  # replicated arguments are gathered whole onto each device
+        for leaf in jax.tree.leaves(arg):
+            spec = tuple(getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ()) or ())
+            if leaf.shape[d] % n or any(e is not None and j != d for j, e in enumerate(spec)):
+                return False
+    return True
+
+
+def dispatch(kernel_fn, reference_fn, *args, batch=None, out_batch=0):
     """``kernel_fn(*args)`` when compiled for CUDA with kernels available, else ``reference_fn(*args)``.
 
     Both must return the same pytree of shapes and dtypes.
 
-    ``batch`` (batch-parallel ops): one bool per argument, True where every leaf has the batch as its
-    leading axis, False where the argument is replicated (parameters); every output then has the batch
-    leading. When the batch arguments are split over Explicit mesh axes (``jax.make_mesh`` /
-    ``jax.set_mesh`` sharding-in-types), the op runs under ``jax.shard_map`` over those axes: each device
-    computes its own rows with the kernels (nothing of the batch is gathered), and the gradients of the
-    replicated arguments are summed over the devices by shard_map's transpose (one all-reduce). Under
-    Auto axes, wrap the step in ``jax.shard_map`` yourself (:mod:`jaxfox.sharding`).
+    ``batch`` (batch-parallel ops): one entry per argument, True (or an int axis) where every leaf has the
+    batch on its leading axis (or on that axis), False/None where the argument is replicated (parameters);
+    every output then has the batch on axis ``out_batch``. When the batch arguments are split over Explicit
+    mesh axes (``jax.make_mesh`` / ``jax.set_mesh`` sharding-in-types), the op runs under ``jax.shard_map``
+    over those axes: each device computes its own rows with the kernels (nothing of the batch is gathered;
+    the replicated arguments are whole on each device), and the gradients of the replicated arguments are
+    summed over the devices by shard_map's transpose (one all-reduce). A batch that does not divide over
+    those axes, or a batch argument also split along another axis, runs the reference, which XLA
+    partitions. Under Auto axes, wrap the step in ``jax.shard_map`` yourself (:mod:`jaxfox.sharding`).
     """
     def run(*a):
         if not kernels_available():
@@ -268,8 +290,11 @@ def dispatch(kernel_fn, reference_fn, *args, batch=None):
     from jaxfox.sharding import reshard_args  # sharding imports no jaxfox module: no cycle
 
     mesh, axes = found
-    split = PartitionSpec(axes)
-    in_specs = tuple(split if b else PartitionSpec() for b in batch)
+    dims = _batch_dims(batch)
+    if not _only_batch_split(args, dims, mesh, axes):
+        return reference_fn(*args)
+    in_specs = tuple(PartitionSpec() if d is None else PartitionSpec(*([None] * d), axes) for d in dims)
+    split = PartitionSpec(*([None] * out_batch), axes)
     # every batch leaf split over the same axes, every other argument whole on each device
     args = reshard_args(mesh, args, in_specs)
     # check_vma=False: FFI calls do not type their results as device-varying; shard_map's transpose then

@@ -15,12 +15,13 @@ the output dtype, ``jnp.result_type(x_g, w_g)`` (float32 or bfloat16; a float32/
 promoted to float32 as ``jnp.dot`` does).
 
 Precision of float32 groups follows ``jnp.dot``: ``precision=None`` reads
-``jax.default_matmul_precision``. "highest"/"float32" (or ``lax.Precision.HIGHEST``): the CUDA
-kernel uses true float32 FMA (SIMT); anything else ("default", "tensorfloat32", "bfloat16",
-None): TF32 tensor cores (10-bit mantissa inputs, float32 accumulation), as XLA's cuBLAS does
-for float32 dots on Ampere/Hopper by default. bfloat16 groups always use bfloat16 tensor cores with
-float32 accumulation (bf16 x bf16 products are exact in float32). The reference path (off CUDA,
-or under :func:`jaxfox.use_reference`) is per-group ``jnp.dot(..., preferred_element_type=float32)``.
+``jax.default_matmul_precision``. "highest"/"float32" (or ``lax.Precision.HIGHEST``), and the
+``lax.DotAlgorithmPreset`` s at least as accurate as float32 (``F32_F32_F32``, ``TF32_TF32_F32_X3``,
+``BF16_BF16_F32_X6``/``_X9``, or their names): the CUDA kernel uses true float32 FMA (SIMT); anything
+else ("default", "tensorfloat32", "bfloat16", None): TF32 tensor cores (10-bit mantissa inputs, float32
+accumulation), as XLA's cuBLAS does for float32 dots on Ampere/Hopper by default. bfloat16 groups always use
+bfloat16 tensor cores with float32 accumulation (bf16 x bf16 products are exact in float32). The reference path
+(off CUDA, or under :func:`jaxfox.use_reference`) is per-group ``jnp.dot(..., preferred_element_type=float32)``.
 
 CUDA (``ffi/grouped_gemm.cu``): one launch covers every group (a tile scheduler maps the block
 index to (group, split, tile) through a per-group table built in Python from the static shapes and
@@ -85,6 +86,11 @@ def _seq(name, v):
     return list(v)
 
 
+# Dot algorithm presets (jax.lax.DotAlgorithmPreset, or their names as jax.default_matmul_precision takes them)
+# at least as accurate as float32 FMA: the kernel must not drop them to TF32.
+_F32_PRESETS = ("F32_F32_F32", "F64_F64_F64", "TF32_TF32_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32_X9")
+
+
 def _precision_is_highest(precision) -> bool:
     """True when float32 dots must be exact float32 (no TF32), as jnp.dot would decide."""
     if precision is None:
@@ -97,7 +103,10 @@ def _precision_is_highest(precision) -> bool:
         return all(_precision_is_highest(p) for p in precision)
     if isinstance(precision, jax.lax.Precision):
         return precision == jax.lax.Precision.HIGHEST
-    return str(precision).lower() in ("highest", "float32", "precision.highest")
+    if isinstance(precision, jax.lax.DotAlgorithmPreset):
+        return precision.name in _F32_PRESETS
+    s = str(precision)
+    return s.lower() in ("highest", "float32", "precision.highest") or s.upper() in _F32_PRESETS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +362,6 @@ def _stack_kernel_bwd(plan, res, dy):
 _stack_kernel.defvjp(_stack_kernel_fwd, _stack_kernel_bwd)
 
 
-
 def _kernel_opted_in() -> bool:
     """The grouped-GEMM kernels are opt-in (``JAXFOX_OPT_IN_KERNELS=grouped_matmul``, read at trace time).
 
@@ -373,7 +381,8 @@ def grouped_matmul(xs, ws, bs=None, *, precision=None) -> list:
       ws: list of G arrays w_g [K_g, N_g] (``x @ W`` convention, [in, out]).
       bs: None, or a list of G entries, each None or b_g [N_g] (cast to the group's output dtype).
       precision: as ``jnp.dot``'s; None reads ``jax.default_matmul_precision``. For float32
-        groups on CUDA, "highest"/"float32" run true float32 FMA; otherwise TF32 tensor cores.
+        groups on CUDA, "highest"/"float32" (or a float32-accurate ``lax.DotAlgorithmPreset`` such as
+        ``F32_F32_F32``) run true float32 FMA; otherwise TF32 tensor cores.
 
     Dtypes: float32 or bfloat16. Group g's output dtype is ``jnp.result_type(x_g, w_g)`` (a mix
     is promoted to float32); products accumulate in float32, the bias is added in float32, and the
@@ -385,7 +394,12 @@ def grouped_matmul(xs, ws, bs=None, *, precision=None) -> list:
     Differentiable in xs, ws and bs (``jax.custom_vjp``: grouped dx = dy w^T, split-K grouped
     dw = x^T dy and db = sum over M of dy, summed in a fixed order: bitwise reproducible). Each
     gradient has its input's dtype. On CUDA, the dx GEMM is a separate launch that XLA removes
-    when no x needs a gradient.
+    when no x needs a gradient. Forward mode (``jax.jvp``) works only off the kernel path.
+
+    Sharding: with the rows (M) of the x_g split over Explicit mesh axes (``jax.make_mesh``), the kernel
+    path runs per device on its rows (``jax.shard_map``; the weights whole on each device, their gradients
+    summed over the devices); rows that do not divide over those axes, or an x split along K, run the
+    reference (:func:`jaxfox._ffi.dispatch`).
 
     Source: OPS.md "Grouped GEMM"; the math of ``jnp.dot(x_g, w_g) + b_g`` per group
     (cf. cuBLAS ``cublasGemmGroupedBatchedEx``, CUTLASS grouped GEMM).
@@ -436,7 +450,8 @@ def grouped_matmul(xs, ws, bs=None, *, precision=None) -> list:
         sw = tuple(ws_c[g] for g in idx)
         sb = tuple(bs_c[g] for g in idx)
         ref = functools.partial(_ref_list, precision)
-        res = dispatch(functools.partial(_list_kernel, plan) if _kernel_opted_in() else ref, ref, sx, sw, sb)
+        res = dispatch(functools.partial(_list_kernel, plan) if _kernel_opted_in() else ref, ref, sx, sw, sb,
+                       batch=(True, False, False))
         for g, y in zip(idx, res):
             out[g] = y
     return out
@@ -456,7 +471,7 @@ def grouped_matmul_stacked(x, w, b=None, *, precision=None):
 
     Dtypes, accumulation, precision and gradients as :func:`grouped_matmul`; the output dtype is
     ``jnp.result_type(x, w)``. With a shared x [M, K], dx = sum_g dy[g] w[g]^T (the per-group
-    products are summed in group order).
+    products are summed in group order). Sharding as :func:`grouped_matmul` (the rows are x's axis M).
 
     Returns:
       y [G, M, N].
@@ -492,4 +507,5 @@ def grouped_matmul_stacked(x, w, b=None, *, precision=None):
     plan = _StackPlan(tf32=bool(dt == _F32 and not _precision_is_highest(precision)),
                       shared_x=x.ndim == 2, has_bias=b is not None)
     ref = functools.partial(_ref_stacked, precision)
-    return dispatch(functools.partial(_stack_kernel, plan) if _kernel_opted_in() else ref, ref, x, w, b)
+    return dispatch(functools.partial(_stack_kernel, plan) if _kernel_opted_in() else ref, ref, x, w, b,
+                    batch=(x.ndim - 2, False, False), out_batch=1)

@@ -190,3 +190,86 @@ def test_errors():
         jaxfox.grouped_matmul_stacked(jnp.ones((3, 5, 4)), jnp.ones((2, 4, 6)))
     with pytest.raises(ValueError, match=r"b must have shape \[2, 6\]"):
         jaxfox.grouped_matmul_stacked(jnp.ones((5, 4)), jnp.ones((2, 4, 6)), jnp.ones((6,)))
+
+
+@pytest.mark.parametrize("precision", [jax.lax.DotAlgorithmPreset.F32_F32_F32, "F32_F32_F32",
+                                       jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, None])
+@pytest.mark.parametrize("form", ["list", "stacked"])
+def test_kernel_precision_follows_jnp_dot_algorithm_presets(precision, form, monkeypatch):
+    """A float32-accurate dot algorithm (as precision= or jax.default_matmul_precision) must give the kernel's
+    float32 FMA path (tf32 = 0), as Precision.HIGHEST does, not TF32; the default stays TF32 (tf32 = 1)."""
+    import re
+
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grouped_matmul")
+    x, w = jnp.ones((4, 3), jnp.float32), jnp.ones((2, 3, 5), jnp.float32)
+
+    def tf32_attr(prec, default=None):
+        def f(x, w):
+            if form == "list":
+                return jaxfox.grouped_matmul([x, x], [w[0], w[1]], precision=prec)
+            return jaxfox.grouped_matmul_stacked(x, w, precision=prec)
+        with jax.default_matmul_precision(default):
+            text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+        return set(re.findall(r"tf32 = (\d)", text))
+
+    assert tf32_attr(jax.lax.Precision.HIGHEST) == {"0"} and tf32_attr(jax.lax.Precision.DEFAULT) == {"1"}
+    if precision is None:    # the same presets through jax.default_matmul_precision
+        assert tf32_attr(None, "F32_F32_F32") == {"0"}
+        assert tf32_attr(None, "tensorfloat32") == {"1"}
+    else:
+        assert tf32_attr(precision) == tf32_attr(jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("form", ["list", "stacked", "stacked_shared"])
+def test_kernel_path_with_rows_split_over_explicit_axes(form, monkeypatch):
+    """With the rows split over an Explicit mesh axis (jax.make_mesh's default, no shard_map of one's own), the
+    opt-in kernel path used to fail to trace ("switch branches must have equal output types": the FFI call's
+    result typed unsharded, the reference's split). Now each device runs its own rows: it lowers for CUDA with
+    the kernels and no all-gather, and (the reference running per shard on this CPU) gives the float64 NumPy
+    values and gradients; weights split too are gathered whole onto each device."""
+    import jaxfox._ffi
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grouped_matmul")
+    mesh = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(11)
+    G, M, K, N = 2, 16, 8, 3
+    x_np = rng.standard_normal((M, K) if form != "stacked" else (G, M, K)).astype(np.float32)
+    w_np = rng.standard_normal((G, K, N)).astype(np.float32)
+    b_np = rng.standard_normal((G, N)).astype(np.float32)
+    c_np = rng.standard_normal((G, M, N))
+    x = jax.device_put(x_np, NamedSharding(mesh, P("batch") if x_np.ndim == 2 else P(None, "batch")))
+    w = jax.device_put(w_np, NamedSharding(mesh, P()))
+    b = jax.device_put(b_np, NamedSharding(mesh, P()))
+    c = jnp.asarray(c_np, jnp.float32)
+
+    def loss(w, b, x):
+        if form == "list":
+            ys = jnp.stack(jaxfox.grouped_matmul([x, x], [w[0], w[1]], [b[0], b[1]]))
+        else:
+            ys = jaxfox.grouped_matmul_stacked(x, w, b)
+        return jnp.sum(ys * c)
+
+    vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+        text = vg.trace(w, b, x).lower(lowering_platforms=("cuda",)).as_text()
+        val, (dw, db, dx) = vg(w, b, x)
+    assert "custom_call @jaxfox_grouped_gemm" in text and "custom_call @jaxfox_grouped_wgrad" in text
+    assert "all_gather" not in text
+    x64 = np.broadcast_to(np.asarray(x_np, np.float64), (G, M, K))
+    w64, b64 = np.asarray(w_np, np.float64), np.asarray(b_np, np.float64)
+    y64 = np.einsum("gmk,gkn->gmn", x64, w64) + b64[:, None, :]
+    _close(np.asarray(val), np.sum(y64 * c_np), 1e-5)
+    _close(dw, np.einsum("gmk,gmn->gkn", x64, c_np), 1e-5)
+    _close(db, c_np.sum(axis=1), 1e-5)
+    dx64 = np.einsum("gmn,gkn->gmk", c_np, w64)
+    _close(dx, dx64 if form == "stacked" else dx64.sum(0), 1e-5)
+    # Weights split over the axis as well: gathered whole onto each device, the same values.
+    w_k = jax.device_put(w_np, NamedSharding(mesh, P(None, "batch")))
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+        jax.jit(loss).trace(w_k, b, x).lower(lowering_platforms=("cuda",))
+        _close(np.asarray(jax.jit(loss)(w_k, b, x)), np.sum(y64 * c_np), 1e-5)
