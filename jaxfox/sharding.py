@@ -89,7 +89,14 @@ def reshard_args(mesh, args, specs) -> tuple:
 
     Needed before ``jax.shard_map`` on Explicit mesh axes, where an array's type carries its sharding and
     must match ``in_specs``.
+
+    Raises:
+      ValueError: ``args`` and ``specs`` have different lengths.
     """
+    args, specs = tuple(args), tuple(specs)
+    if len(args) != len(specs):
+        raise ValueError(f"reshard_args: specs must have one PartitionSpec per argument ({len(args)}), "
+                         f"got {len(specs)}")
     return tuple(jax.tree.map(lambda x, s=spec: jax.reshard(x, NamedSharding(mesh, s)), a)
                  for a, spec in zip(args, specs))
 
@@ -116,16 +123,23 @@ def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: st
 
     Raises:
       ValueError: at trace time, when a batch argument's leading axis is not divisible by the number
-        of devices on ``axis_name`` (the message names the argument); at once, when ``batch_argnums``
-        names params or the mesh has no such axis (:func:`batch_axis`).
+        of devices on ``axis_name`` (the message names the argument) or ``batch_argnums`` names a position
+        beyond the arguments passed; at once, when ``batch_argnums`` is empty, names params (0) or a negative
+        position, or the mesh has no such axis (:func:`batch_axis`).
     """
     mesh = batch_mesh(axis_name=axis_name or AXIS) if mesh is None else mesh
     axis_name = batch_axis(mesh, axis_name)
     batch_argnums = tuple(int(i) for i in batch_argnums)
     if 0 in batch_argnums:
         raise ValueError("batch_argnums: position 0 is params, which are replicated, not split")
+    if not batch_argnums or min(batch_argnums) < 1:
+        raise ValueError("batch_argnums must name at least one argument by its position >= 1 in fun's signature "
+                         f"(params = 0; negative positions are not supported), got {batch_argnums}")
 
     def wrapped(params, *args):
+        if max(batch_argnums) > len(args):
+            raise ValueError(f"batch_argnums {batch_argnums} names position {max(batch_argnums)}, but the call "
+                             f"passes only {len(args)} argument(s) after params (positions 1..{len(args)})")
         for i in batch_argnums:
             for path, leaf in jax.tree_util.tree_leaves_with_path(args[i - 1]):
                 if np.ndim(leaf) == 0:

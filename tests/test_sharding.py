@@ -477,3 +477,41 @@ def test_grouped_matmul_kernel_path_traces_inside_shard_map(form, monkeypatch):
     text = jax.jit(f).trace(w, b, x).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @jaxfox_grouped_gemm" in text and "custom_call @jaxfox_grouped_wgrad" in text
     assert "all_reduce" in text and "all_gather" not in text
+
+
+def test_batch_argnums_negative_or_beyond_the_arguments_is_an_error():
+    """batch_argnums=(-1,) used to be accepted: nothing was split, every device ran the whole batch and the
+    per-row aux came back N times over ([N * B] rows); a position past the arguments gave a bare IndexError."""
+    x = jnp.asarray(np.arange(24.0, dtype=np.float32).reshape(8, 3) / 10)
+    y = jnp.asarray(np.linspace(-1, 1, 8, dtype=np.float32))
+    p = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+
+    def loss(p, x, y):
+        e = x @ p - y
+        return jnp.mean(e * e), e
+
+    (l, aux), g = jax.jit(data_parallel_value_and_grad(loss, _mesh(4), batch_argnums=(1, 2), has_aux=True))(p, x, y)
+    x64, y64, p64 = np.asarray(x, np.float64), np.asarray(y, np.float64), np.asarray(p, np.float64)
+    e64 = x64 @ p64 - y64
+    assert aux.shape == (8,)
+    np.testing.assert_allclose(np.asarray(aux), e64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(l), np.mean(e64 ** 2), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), 2 * x64.T @ e64 / 8, rtol=1e-5, atol=1e-6)
+    for bad in ((-1,), (1, -1), ()):
+        with pytest.raises(ValueError, match="batch_argnums"):
+            data_parallel_value_and_grad(loss, _mesh(4), batch_argnums=bad, has_aux=True)
+    with pytest.raises(ValueError, match=r"batch_argnums \(1, 3\) names position 3.* 2 argument"):
+        data_parallel_value_and_grad(loss, _mesh(4), batch_argnums=(1, 3), has_aux=True)(p, x, y)
+
+
+def test_reshard_args_needs_one_spec_per_argument():
+    """zip() used to drop the arguments without a spec silently."""
+    from jaxfox.sharding import reshard_args
+
+    mesh = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
+    x, y = jnp.ones((8, 2)), jnp.zeros((8,))
+    with pytest.raises(ValueError, match="one PartitionSpec per argument"):
+        reshard_args(mesh, (x, y), (P("batch"),))
+    x2, y2 = reshard_args(mesh, (x, y), (P("batch"), P()))
+    np.testing.assert_array_equal(np.asarray(x2), np.asarray(x))
+    assert tuple(x2.sharding.spec)[0] == "batch" and all(a is None for a in tuple(y2.sharding.spec))
