@@ -10,8 +10,9 @@ on the real daily trading data (issue 5).
    (gamma), next obs, the window of the last ``--seq-len`` observations ending at obs (repeated first obs
    after a reset), and q = mean over branches of the target network's Q(s, a_d) (the IQL target).
 3. Aux training: ``--steps`` steps of :func:`jaxfox.models.aux.make_aux`'s ``aux_step`` (ONE jitted function:
-   IQL pair 48 -> 256 -> 128 -> 1 with expectiles 0.7/0.9 as grouped GEMMs, IQN with quantile Huber loss against
-   an EMA target, attention pool over the window -> linear head regressing the scaled reward), each trainer
+   IQL pair 48 -> 256 -> 128 -> 1 with expectiles 0.7/0.9 (``AuxConfig``'s default ``iql_impl="fused"``: with two
+   hidden layers that is the ``"vmap"`` batched-GEMM path, the fused kernel covers one), IQN with quantile Huber
+   loss against an EMA target, attention pool over the window -> linear head regressing the scaled reward), each trainer
    with its own uniformly sampled minibatch of ``--batch-size`` transitions.
 
 With a GPU, call with ``--concurrent`` to set ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``

@@ -169,8 +169,8 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
 
     Raises:
       TypeError: an input is not a float32/bfloat16 array; kappa is not a number.
-      ValueError: wrong ranks or mismatched B/N (the message names the argument and both shapes);
-        kappa <= 0 or not finite.
+      ValueError: wrong ranks or mismatched B/N (the message names the argument and both shapes); N' = 0
+        (a mean over no target samples); kappa <= 0 or not finite.
     """
     _check_float_array("online_quantiles", online_quantiles)
     _check_float_array("taus", taus)
@@ -181,6 +181,9 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
     if target_quantiles.ndim != 2 or target_quantiles.shape[0] != B:
         raise ValueError(f"target_quantiles must have shape [B, N'] = [{B}, ?], got "
                          f"{tuple(target_quantiles.shape)}")
+    if target_quantiles.shape[1] == 0:
+        raise ValueError(f"target_quantiles must have N' >= 1 target samples (the loss is a mean over them), got "
+                         f"shape {tuple(target_quantiles.shape)}")
     if tuple(taus.shape) not in ((B, N), (N,)):
         raise ValueError(f"taus must have shape [B, N] = [{B}, {N}] or [N] = [{N}], got {tuple(taus.shape)}")
     kappa = check_kappa(kappa)

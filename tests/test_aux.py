@@ -142,6 +142,32 @@ def test_config_errors():
         make_aux(SMALL, obs_dim=0)
 
 
+def test_config_scalar_fields_and_numpy_expectiles():
+    """A bare number where a tuple belongs (expectiles=0.9, iql_hidden=64) used to fail deep inside with
+    "object of type 'float' has no len()" / "'int' object is not iterable"; NumPy float expectiles (e.g. from
+    np.linspace) were rejected as "not floats"."""
+    with pytest.raises(ValueError, match="config.expectiles"):
+        make_aux(SMALL, expectiles=0.9)
+    with pytest.raises(ValueError, match="config.iql_hidden"):
+        make_aux(SMALL, iql_hidden=64)
+    with pytest.raises(ValueError, match="config.expectiles"):
+        make_aux(SMALL, expectiles=(True,))
+    taus = tuple(np.linspace(0.7, 0.9, 2, dtype=np.float32))
+    tr = make_aux(SMALL, expectiles=taus)
+    st = tr.init(jax.random.key(3))
+    b = synthetic_batch(jax.random.key(4), SMALL, 32)
+    with jax.default_matmul_precision("highest"):
+        _, info = tr.iql_step(st.iql, b["iql"])
+    p = st.iql.params
+    x = np.asarray(b["iql"]["obs"], np.float64)
+    v = np.stack([np_relu(x @ np.asarray(p["w"][0][g], np.float64) + np.asarray(p["b"][0][g], np.float64))
+                  @ np.asarray(p["w"][1][g], np.float64)[:, 0] + float(p["b"][1][g, 0]) for g in range(2)], 1)
+    u = np.asarray(b["iql"]["q"], np.float64)[:, None] - v
+    t = np.asarray(taus, np.float64)
+    np.testing.assert_allclose(np.asarray(info["iql_per_net"]), (np.where(u < 0, 1 - t, t) * u ** 2).mean(0),
+                               rtol=1e-5)
+
+
 # ---------------------------------------------------------------- example and notebook
 def _load_train_aux():
     spec = importlib.util.spec_from_file_location("train_aux", EXAMPLES / "train_aux.py")

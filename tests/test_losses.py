@@ -280,3 +280,14 @@ def test_quantile_huber_kappa_must_be_a_positive_finite_float32(kappa):
     z = jnp.zeros((2, 3), jnp.float32)
     with pytest.raises(ValueError, match="kappa"):
         jaxfox.quantile_huber_loss(z, jnp.full((2, 3), 0.5, jnp.float32), z, kappa)
+
+
+def test_quantile_huber_needs_a_target_sample():
+    """N' = 0 used to give a NaN loss per sample silently (a mean over no target samples); N' = 1 is fine."""
+    z = jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32)
+    t = jnp.asarray(RNG.uniform(size=(4,)), jnp.float32)
+    with pytest.raises(ValueError, match=r"target_quantiles must have N' >= 1.*\(3, 0\)"):
+        jaxfox.quantile_huber_loss(z, t, jnp.zeros((3, 0), jnp.float32), per_sample=True)
+    y = jnp.asarray(RNG.normal(size=(3, 1)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(jaxfox.quantile_huber_loss(z, t, y, per_sample=True)),
+                               np_quantile_huber(z, t, y, 1.0), rtol=1e-5, atol=1e-6)

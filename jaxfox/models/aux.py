@@ -115,9 +115,13 @@ def _check_config(cfg: AuxConfig):
     for name in ("obs_dim", "iqn_hidden", "n_quantiles", "n_target_quantiles", "n_cos", "seq_len", "seq_dim",
                  "num_heads"):
         pos_int(name, getattr(cfg, name))
+    if not isinstance(cfg.iql_hidden, (tuple, list)):
+        raise ValueError(f"config.iql_hidden must be a tuple of ints >= 1 (the hidden widths), "
+                         f"got {cfg.iql_hidden!r}")
     for i, h in enumerate(cfg.iql_hidden):
         pos_int(f"iql_hidden[{i}]", h)
-    if len(cfg.expectiles) < 1 or not all(isinstance(t, (int, float)) and 0 < t < 1 for t in cfg.expectiles):
+    if not isinstance(cfg.expectiles, (tuple, list)) or len(cfg.expectiles) < 1 or not all(
+            isinstance(t, (int, float, np.floating)) and not isinstance(t, bool) and 0 < t < 1 for t in cfg.expectiles):
         raise ValueError(f"config.expectiles must be a non-empty tuple of floats in (0, 1), got {cfg.expectiles!r}")
     if cfg.iql_impl not in ("fused", "grouped", "grouped_list", "vmap"):
         raise ValueError(f"config.iql_impl must be 'fused', 'grouped', 'grouped_list' or 'vmap', got {cfg.iql_impl!r}")
