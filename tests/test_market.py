@@ -139,6 +139,8 @@ def test_baselines_informative(w):
     ({"train_end": "not a date"}, "train_end"), ({"val_end": "2015-13-45"}, "val_end"),
     ({"train_end": "2016-01-01"}, "train_end"), ({"train_end": "1990-01-01"}, "train_end"),
     ({"max_features": 0}, "max_features"),
+    ({"train_end": "2012-12-31T00:00:00+00:00"}, "train_end"),  # tz-aware: was a TypeError naming nothing
+    ({"val_end": pd.Timestamp("2015-12-31", tz="America/New_York")}, "val_end"),
 ])
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):

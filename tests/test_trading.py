@@ -136,16 +136,71 @@ def test_done_and_vmap(env):
     assert int(st.end) == env.test_rows[1]
 
 
+def test_finished_episode_is_absorbing_and_never_pays_past_its_end(env, raw):
+    """Stepping past done pays nothing and does not move; before the fix the state walked on past ``end``
+    (t > end) and paid the returns of later rows, at the train span's end the first 2013 return."""
+    tr1 = env.train_rows[1]
+    a = jnp.asarray([4, 0, 3], jnp.int32)
+    pos = np.array([1.0, -1.0, 0.5])
+    cl = raw[list(INSTRUMENTS)]
+
+    def want_reward(t, prev):
+        c0, c1 = cl.loc[env.dates[t]].to_numpy(), cl.loc[env.dates[t + 1]].to_numpy()
+        return float(np.sum(pos * np.log(c1 / c0)) - 5e-4 * np.sum(np.abs(pos - prev)))
+
+    # (1) an episode ending at the train span's last row (2012-12-31); (2) one ending inside the span; (3) an
+    # explicit end beyond the span is clamped to the span end.
+    for start, end in ((tr1 - 2, None), (1000, 1002), (tr1 - 2, tr1 + 50)):
+        state, _ = env.reset_to(start, env.train, end=end)
+        stop = tr1 if end is None else min(end, tr1)
+        assert int(state.end) == stop
+        rewards, dones, ts = [], [], []
+        for _ in range(6):
+            state, obs, r, d = env.step(state, a)
+            rewards.append(float(r)), dones.append(bool(d)), ts.append(int(state.t))
+        n = stop - start
+        want = [want_reward(start, np.zeros(3))] + [want_reward(t, pos) for t in range(start + 1, stop)]
+        np.testing.assert_allclose(rewards[:n], want, rtol=1e-5, atol=2e-6)
+        assert rewards[n:] == [0.0] * (6 - n)
+        assert dones == [False] * (n - 1) + [True] * (7 - n)
+        assert ts == [start + k + 1 for k in range(n)] + [stop] * (6 - n)
+        np.testing.assert_array_equal(np.asarray(state.positions), pos)
+        np.testing.assert_array_equal(np.asarray(obs)[list(env.position_cols)], pos)
+    # the same under jit + vmap (what a fixed-length lax.scan rollout without masking sums up)
+    keys = jax.random.split(jax.random.key(3), 4)
+    short = Trading(episode_len=3)
+    s, _ = jax.vmap(short.reset)(keys)
+
+    def roll(s):
+        def body(s, _):
+            s, _, r, _ = short.step(s, a)
+            return s, r
+        return jax.lax.scan(body, s, None, length=8)
+
+    s8, r8 = jax.jit(jax.vmap(roll))(s)
+    np.testing.assert_array_equal(np.asarray(s8.t), np.asarray(s.t) + 3)
+    for i, t0 in enumerate(np.asarray(s.t)):
+        want = [want_reward(int(t0), np.zeros(3))] + [want_reward(int(t0) + k, pos) for k in (1, 2)]
+        np.testing.assert_allclose(np.asarray(r8[i, :3]), want, rtol=1e-5, atol=2e-6)
+        np.testing.assert_array_equal(np.asarray(r8[i, 3:]), 0.0)
+
+
 def test_bad_inputs(env):
     s, _ = env.reset_to(0)
     with pytest.raises(ValueError, match="action must have shape"):
         env.step(s, jnp.zeros((4,), jnp.int32))
     with pytest.raises(TypeError, match="action must have an integer dtype"):
         env.step(s, jnp.zeros((3,), jnp.float32))
+    # a concrete out-of-range action was clipped silently (5 -> +1, -1 -> -1 position)
+    for bad in ([5, 0, 0], [0, -1, 2]):
+        with pytest.raises(ValueError, match=r"^action entries must be in \[0, A\) = \[0, 5\)"):
+            env.step(s, jnp.asarray(bad, jnp.int32))
     with pytest.raises(ValueError, match="episode_len"):
         Trading(episode_len=0)
     with pytest.raises(ValueError, match="cost_bps"):
         Trading(cost_bps=-1.0)
+    with pytest.raises(ValueError, match="^test_start must be a date without a time zone"):
+        Trading(test_start="2016-01-01T00:00:00+00:00")  # was a TypeError naming no argument
     assert len(LEVELS) == 5 and env.num_branches == 3 and env.obs_dim == 48
 
 

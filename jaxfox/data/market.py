@@ -243,6 +243,8 @@ def _timestamp(value, name: str) -> pd.Timestamp:
         raise ValueError(f"{name} is not a valid date: {value!r}") from e
     if pd.isna(ts):
         raise ValueError(f"{name} is not a valid date: {value!r}")
+    if ts.tz is not None:  # the data's dates are tz-naive: comparing them with an aware date raises a TypeError
+        raise ValueError(f"{name} must be a date without a time zone (the data's dates are tz-naive), got {value!r}")
     return ts
 
 
@@ -281,7 +283,7 @@ def make_windows(window: int = 64, *, train_end: str = "2012-12-31", val_end: st
 
     Raises:
       ValueError: naming ``window`` (not an int >= 2, or so long a split is empty), ``train_end`` / ``val_end``
-        (unparseable, or not ``train_end < val_end``), or ``max_features`` (< 1).
+        (unparseable, with a time zone, or not ``train_end < val_end``), or ``max_features`` (< 1).
     """
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 2:
         raise ValueError(f"window must be an int >= 2, got {window!r}")

@@ -66,8 +66,9 @@ jit- and vmap-able, params are a pytree of arrays so they can be passed as jit a
     state, obs = env.reset_to(start, params=None)            # deterministic start, runs to the span end
     state, obs, reward, done = env.step(state, action, params=None)
 
-Stepping a finished episode keeps returning done = True with rewards computed at the clamped last row; reset
-it (``jnp.where(done, ...)``) instead.
+A finished episode (``state.t >= state.end``) is absorbing: stepping it returns the same state, the observation
+of row ``state.t``, reward 0 and done = True (no return past the episode's end is ever paid out, so none from
+outside the span either); reset it (``jnp.where(done, ...)``) instead.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class Trading:
     Raises:
       ValueError: instruments not a non-empty tuple/list of distinct names from :data:`AVAILABLE_INSTRUMENTS`;
         episode_len < 1 or longer than the train span allows; cost_bps negative or not finite; train_end or
-        test_start unparseable, train_end not before test_start, or a span with fewer than 2 rows.
+        test_start unparseable or with a time zone, train_end not before test_start, or a span with fewer than 2 rows.
     """
 
     episode_len: int = 252
@@ -289,10 +290,11 @@ class Trading:
 
     def reset_to(self, start, params: TradingParams | None = None, end=None):
         """Deterministic start at row ``start`` ([] int), flat positions, done on reaching row ``end``
-        (default: the span end). Returns (TradingState, obs [48] float32)."""
+        (default, and at most: the span end ``params.span_end``; a later ``end`` is clamped to it, so an
+        episode never earns a return from past its span). Returns (TradingState, obs [48] float32)."""
         p = self._p(params)
         start = jnp.asarray(start, jnp.int32)
-        end = p.span_end if end is None else jnp.asarray(end, jnp.int32)
+        end = p.span_end if end is None else jnp.minimum(jnp.asarray(end, jnp.int32), p.span_end)
         pos = jnp.zeros((p.next_returns.shape[-1],), jnp.float32)
         state = TradingState(t=start, end=end, positions=pos)
         return state, self.observe(p, start, pos)
@@ -300,10 +302,12 @@ class Trading:
     def step(self, state: TradingState, action, params: TradingParams | None = None):
         """One trading day. action: [D] integer in [0, A) (traced values are clipped into range).
 
-        Returns (state', obs' [48] float32, reward [] float32, done [] bool); module docstring for reward.
+        Returns (state', obs' [48] float32, reward [] float32, done [] bool); module docstring for reward. On a
+        finished episode (``state.t >= state.end``) nothing moves: state' = state, reward 0, done True.
 
         Raises:
-          ValueError: action is not of shape [D] (checked on the static shape).
+          ValueError: action is not of shape [D] (checked on the static shape), or a concrete (not traced)
+            action has an entry outside [0, A).
           TypeError: action is not an integer array.
         """
         p = self._p(params)
@@ -313,11 +317,16 @@ class Trading:
             raise ValueError(f"action must have shape [D] = [{D}], got {tuple(action.shape)}")
         if not jnp.issubdtype(action.dtype, jnp.integer):
             raise TypeError(f"action must have an integer dtype, got {action.dtype}")
-        pos = p.levels[jnp.clip(action, 0, A - 1)]
+        if not isinstance(action, jax.core.Tracer):  # concrete: out of range is a caller's error, not clipped
+            a = np.asarray(action)
+            if a.min() < 0 or a.max() >= A:
+                raise ValueError(f"action entries must be in [0, A) = [0, {A}), got {a.tolist()}")
+        live = state.t < state.end  # a finished episode is absorbing (module docstring)
         t = jnp.minimum(state.t, p.span_end)
+        pos = jnp.where(live, p.levels[jnp.clip(action, 0, A - 1)], state.positions)
         cost = p.cost_rate * jnp.sum(jnp.abs(pos - state.positions))
-        reward = jnp.sum(pos * p.next_returns[t]) - cost
-        t1 = jnp.minimum(t + 1, p.span_end)
+        reward = jnp.where(live, jnp.sum(pos * p.next_returns[t]) - cost, 0.0)
+        t1 = jnp.where(live, jnp.minimum(t + 1, p.span_end), state.t)
         done = t1 >= state.end
         new = TradingState(t=t1, end=state.end, positions=pos)
         return new, self.observe(p, t1, pos), reward.astype(jnp.float32), done
