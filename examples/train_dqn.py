@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--capacity", type=int, default=2 ** 17, help="replay capacity (transitions)")
     p.add_argument("--learning-starts", type=int, default=8192, help="random transitions before updates")
-    p.add_argument("--chunk", type=int, default=50, help="iterations per jitted scan (progress granularity)")
+    p.add_argument("--chunk", type=int, default=50, help="iterations per jitted scan (progress granularity; the "
+                   "last scan runs the remainder when --steps is not a multiple)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--max-grad-norm", type=float, default=10.0)
@@ -83,9 +84,15 @@ def parse_args(argv=None):
         p.error(f"--capacity must be >= --learning-starts ({args.learning_starts}), got {args.capacity}")
     if not 0 <= args.gamma < 1:
         p.error(f"--gamma must be in [0, 1), got {args.gamma}")
-    for name in ("tau", "eps_start", "eps_end", "eps_frac"):
+    for name in ("tau", "eps_start", "eps_end", "eps_frac", "beta0"):
         if not 0 <= getattr(args, name) <= 1:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    for name in ("reward_scale", "v_max"):  # a negative reward scale would train the agent to lose money
+        if not (np.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            p.error(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
+    for name in ("lr", "weight_decay", "max_grad_norm", "alpha", "cost_bps"):
+        if not (np.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(args, name)}")
     return args
 
 
@@ -182,8 +189,8 @@ def main(argv=None) -> dict:
         (agent, s, o), _ = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, n))
         return agent, s, o
 
-    @jax.jit
-    def train_chunk(agent, env_state, obs, key):
+    @functools.partial(jax.jit, static_argnames=("length",))
+    def train_chunk(agent, env_state, obs, key, length):
         def body(c, k):
             agent, s, o = c
             step = agent.step
@@ -194,7 +201,7 @@ def main(argv=None) -> dict:
             agent = agent._replace(buffer=per.add(agent.buffer, trans))
             agent, info = update(agent, k_up, beta_at(step))
             return (agent, s, o), (info["loss"], info["loss_unweighted"], jnp.mean(r))
-        (agent, s, o), out = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, args.chunk))
+        (agent, s, o), out = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, length))
         return agent, s, o, out
 
     @functools.partial(jax.jit, static_argnames=("length",))
@@ -224,9 +231,11 @@ def main(argv=None) -> dict:
     n_chunks = -(-args.steps // args.chunk)
     t_train = time.perf_counter()
     bar = tqdm(range(n_chunks), desc="dqn", file=sys.stderr)
-    for _ in bar:
+    for i in bar:
         key, k = jax.random.split(key)
-        agent, env_state, obs, (lw, lu, rr) = train_chunk(agent, env_state, obs, k)
+        # exactly --steps updates: the last chunk runs the remainder (one more compilation when there is one)
+        length = min(args.chunk, args.steps - i * args.chunk)
+        agent, env_state, obs, (lw, lu, rr) = train_chunk(agent, env_state, obs, k, length=length)
         lw, lu, rr = (float(np.mean(np.asarray(v))) for v in (lw, lu, rr))
         loss_hist["step"].append(int(agent.step))
         loss_hist["loss"].append(lw)

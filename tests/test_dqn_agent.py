@@ -307,6 +307,35 @@ def test_update_step_matches_independent_float64_oracle():
         np.testing.assert_allclose(float(new.buffer.max_priority), max(1.0, prio0.max(), want.max()), rtol=2e-6)
 
 
+def test_bad_sizes_support_and_update_arguments_raise_naming_them():
+    # hidden was unpacked unchecked: (256,) gave an IndexError, 3 widths a bare unpacking error
+    for hidden in ((256,), (256, 128, 64), 256):
+        with pytest.raises(ValueError, match="^hidden must be a pair"):
+            BranchingC51(hidden=hidden, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^hidden\[1\] must be an int >= 1"):
+        BranchingC51(hidden=(8, 0), rngs=nnx.Rngs(0))
+    m = BranchingC51(6, 2, 3, 5, hidden=[16, 8], rngs=nnx.Rngs(0))
+    assert _params(m)["w1"].shape == (6, 16) and _params(m)["w2"].shape == (16, 8)
+    # support: num_atoms was unchecked (1 -> the single atom -v_max, 0 -> an empty support) and a bool v_max
+    # passed while a NumPy float32 was refused
+    for n in (1, 0, True, 51.0):
+        with pytest.raises(ValueError, match="^num_atoms must be an int >= 2"):
+            support(n, 25.0)
+    for v in (True, 0.0, float("inf"), "25"):
+        with pytest.raises(ValueError, match="^v_max must be a finite float > 0"):
+            support(11, v)
+    np.testing.assert_allclose(np.asarray(support(np.int64(11), np.float32(2.0))), np.linspace(-2.0, 2.0, 11),
+                               rtol=0, atol=1e-6)
+    # make_update: a negative priority_eps was accepted (under jit a negative priority is stored as 0: that
+    # slot is never sampled again); a float batch size failed deep inside the sampler
+    _, opt, dan = init_agent(jax.random.key(0), capacity=64)
+    z = support(dan[2])
+    for kw, name in (({"priority_eps": -1e-3}, "priority_eps"), ({"priority_eps": float("nan")}, "priority_eps"),
+                     ({"batch_size": 16.0}, "batch_size"), ({"batch_size": 0}, "batch_size")):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            make_update(opt, dan, z, **kw)
+
+
 def _load_train_dqn():
     spec = importlib.util.spec_from_file_location("train_dqn", os.path.join(ROOT, "examples", "train_dqn.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -317,8 +346,9 @@ def _load_train_dqn():
 def test_train_dqn_main_tiny(tmp_path):
     mod = _load_train_dqn()
     out = str(tmp_path / "dqn")
+    # --chunk 8 does not divide --steps 20: the last scan runs the remaining 4 (it ran a whole chunk: 24 updates)
     m = mod.main(["--steps", "20", "--num-envs", "8", "--batch-size", "64", "--capacity", "4096",
-                  "--learning-starts", "256", "--chunk", "10", "--out", out])
+                  "--learning-starts", "256", "--chunk", "8", "--out", out])
     with open(os.path.join(out, "metrics.json")) as f:
         disk = json.load(f)
     assert disk["updates"] == 20 and m["updates"] == 20
@@ -357,6 +387,15 @@ def test_cli_rejects_bad_args():
         mod.parse_args(["--steps", "0"])
     with pytest.raises(SystemExit):
         mod.parse_args(["--batch-size", "1024", "--learning-starts", "100"])
+    # flags that were passed on unchecked (a negative or zero reward scale trains the agent on inverted or no
+    # rewards without any error; a beta0 outside [0, 1] failed only after the data had loaded)
+    for bad in (["--reward-scale", "-100"], ["--reward-scale", "0"], ["--reward-scale", "nan"], ["--v-max", "0"],
+                ["--beta0", "1.5"], ["--alpha", "-0.5"], ["--lr", "-1e-4"], ["--max-grad-norm", "inf"],
+                ["--cost-bps", "-5"], ["--weight-decay", "nan"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+    a = mod.parse_args(["--reward-scale", "1", "--v-max", "0.25", "--beta0", "1", "--alpha", "0"])
+    assert (a.reward_scale, a.v_max, a.beta0, a.alpha) == (1.0, 0.25, 1.0, 0.0)
 
 
 def _load_example(name):

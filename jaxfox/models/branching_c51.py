@@ -71,11 +71,14 @@ class BranchingC51(nnx.Module):
     matmuls with float32 head accumulation).
 
     Raises:
-      ValueError: a size is not a positive int (N >= 2); x is not [B, obs_dim] (on call).
+      ValueError: a size is not a positive int (N >= 2), ``hidden`` is not a pair of them; x is not
+        [B, obs_dim] (on call).
     """
 
     def __init__(self, obs_dim: int = 48, num_branches: int = 3, num_actions: int = 5, num_atoms: int = 51,
                  hidden: tuple[int, int] = (256, 128), *, rngs: nnx.Rngs):
+        if not isinstance(hidden, (tuple, list)) or len(hidden) != 2:
+            raise ValueError(f"hidden must be a pair (h1, h2) of the two trunk widths, got {hidden!r}")
         for name, v, lo in (("obs_dim", obs_dim, 1), ("num_branches", num_branches, 1),
                             ("num_actions", num_actions, 1), ("num_atoms", num_atoms, 2),
                             ("hidden[0]", hidden[0], 1), ("hidden[1]", hidden[1], 1)):
@@ -118,8 +121,16 @@ def apply(params, x, dan):
 
 
 def support(num_atoms: int = 51, v_max: float = 25.0):
-    """z [N] float32 = linspace(-v_max, v_max, N) (module docstring for the choice of v_max)."""
-    if not (isinstance(v_max, (int, float)) and np.isfinite(v_max) and v_max > 0):
+    """z [N] float32 = linspace(-v_max, v_max, N) (module docstring for the choice of v_max).
+
+    Raises:
+      ValueError: ``num_atoms`` is not an int >= 2 (the network's N), or ``v_max`` is not a finite real > 0
+        (bools are refused; NumPy scalars are accepted).
+    """
+    if isinstance(num_atoms, bool) or not isinstance(num_atoms, (int, np.integer)) or num_atoms < 2:
+        raise ValueError(f"num_atoms must be an int >= 2, got {num_atoms!r}")
+    if isinstance(v_max, bool) or not (isinstance(v_max, (int, float, np.integer, np.floating)) and
+                                       np.isfinite(v_max) and v_max > 0):
         raise ValueError(f"v_max must be a finite float > 0, got {v_max!r}")
     return jnp.linspace(-v_max, v_max, num_atoms, dtype=jnp.float32)
 
@@ -251,9 +262,15 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     device reads its rows from its own copy.
 
     Raises:
-      ValueError: ``batch_size`` is not divisible by the number of devices on the batch axis, or the mesh
-        has several axes and none is named "batch".
+      ValueError: ``batch_size`` is not an int >= 1 or not divisible by the number of devices on the batch axis,
+        ``priority_eps`` is not a finite float >= 0 (under jit a negative priority would be stored as 0, so
+        the slot would never be sampled again), or the mesh has several axes and none is named "batch".
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(priority_eps, bool) or not isinstance(priority_eps, (int, float, np.integer, np.floating)) or not (
+            np.isfinite(priority_eps) and priority_eps >= 0):
+        raise ValueError(f"priority_eps must be a finite float >= 0, got {priority_eps!r}")
     mesh = batch_mesh() if mesh is None else mesh
     axis = batch_axis(mesh)
     check_divisible("batch_size", batch_size, mesh, axis_name=axis)
