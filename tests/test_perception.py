@@ -13,7 +13,8 @@ from flax import nnx
 
 import jaxfox
 import jaxfox.nn
-from jaxfox.models import benchmark_step, make_model, make_optimizer, train_epoch, train_step
+from jaxfox.models import (benchmark_step, evaluate, make_model, make_optimizer, predict_logits, train_epoch,
+                           train_step)
 
 from conftest import import_main_job
 
@@ -125,6 +126,20 @@ def test_perception_v0_logits_match_numpy(proj_size):
         model(jnp.zeros((B, T, m_feat + 1)))
     with pytest.raises(TypeError, match="x must be float32"):
         model(jnp.zeros((B, T, m_feat), jnp.float16))
+    # predict_logits in chunks of 3 (the last one padded) gives the NumPy logits; a batch_size < 1 returned
+    # no logits at all (range with a negative step) without an error
+    np.testing.assert_allclose(predict_logits(model, x, batch_size=3), want, rtol=2e-5, atol=2e-5)
+    for bs in (-1, 0, 2.0, True):
+        with pytest.raises(ValueError, match="^batch_size must be an int >= 1"):
+            predict_logits(model, x, batch_size=bs)
+    # evaluate: the mean BCE of the NumPy logits; a [N, 1] y broadcast the BCE to [N, N] (a wrong loss, the
+    # AUC unchanged) without an error
+    y = np.array([0.0, 1.0, 1.0, 0.0], np.float32)
+    p = 1.0 / (1.0 + np.exp(-want))
+    loss, _ = evaluate(model, x, y, batch_size=3)
+    assert loss == pytest.approx(float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean()), rel=1e-4)
+    with pytest.raises(ValueError, match=r"^y must have shape \[N\] = \[4\]"):
+        evaluate(model, x, y[:, None])
 
 
 def test_train_step_decreases_loss_on_fixed_batch():

@@ -250,6 +250,13 @@ def test_perception_forward_matches_numpy_and_shapes():
         model(jnp.zeros((B, T, m), jnp.float16))
     with pytest.raises(ValueError, match="num_heads"):
         make_model(m, hidden=6, num_heads=4, rngs=nnx.Rngs(0))
+    # a batch_size < 1 made predict return no windows at all (range with a negative step) without an error
+    for bs in (-1, 0, 2.0, True):
+        with pytest.raises(ValueError, match="^batch_size must be an int >= 1"):
+            predict(model, x, batch_size=bs)
+    # a [N, 1] y broadcast the BCE to [N, N]: a wrong loss (the AUC unchanged) without an error
+    with pytest.raises(ValueError, match=r"^y must have shape \[N\] = \[3\]"):
+        evaluate(model, x, y[:, None])
 
 
 def test_perception_train_step_lowers_loss():

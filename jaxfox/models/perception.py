@@ -32,8 +32,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox.models.perception_v0 import (_run_epoch, check_window_batch, data_parallel_step, make_benchmark_step,
-                                         make_optimizer)
+from jaxfox.models.perception_v0 import (_check_labels, _check_predict_batch_size, _run_epoch, check_window_batch,
+                                         data_parallel_step, make_benchmark_step, make_optimizer)
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 
@@ -156,7 +156,12 @@ def _forward(model, x):
 
 def predict(model: Perception, x, *, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """(logits [N], vsn_weights [N, m]) as NumPy float32 for x [N, T, m]; the weights are each window's
-    VSN weights averaged over its T steps. Fixed-size chunks (the last zero-padded): one compilation."""
+    VSN weights averaged over its T steps. Fixed-size chunks (the last zero-padded): one compilation.
+
+    Raises:
+      ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (from the model).
+    """
+    batch_size = _check_predict_batch_size(batch_size)
     x = np.asarray(x, np.float32)
     n = x.shape[0]
     logits, weights = [], []
@@ -176,10 +181,16 @@ def predict(model: Perception, x, *, batch_size: int = 256) -> tuple[np.ndarray,
 def evaluate(model: Perception, x, y, *, batch_size: int = 256) -> tuple[float, float, np.ndarray]:
     """(mean BCE, ROC AUC, mean VSN weights [m]) of the model on x [N, T, m], y [N].
 
-    The mean weights average over all N windows and T steps (they sum to 1 over m)."""
+    The mean weights average over all N windows and T steps (they sum to 1 over m).
+
+    Raises:
+      ValueError: y is not [N] (a [N, 1] y would broadcast the BCE to [N, N] and report a wrong loss), as
+        :func:`predict`, and as :func:`jaxfox.data.market.auc` (y not 0/1 labels of both classes).
+    """
     from jaxfox.data.market import auc
 
     y = np.asarray(y, np.float32)
+    _check_labels(y, len(x), "N")
     logits, w = predict(model, x, batch_size=batch_size)
     loss = float(np.asarray(optax.sigmoid_binary_cross_entropy(jnp.asarray(logits), jnp.asarray(y)).mean()))
     return loss, auc(logits, y), w.mean(axis=0)

@@ -310,9 +310,22 @@ def _logits(model, x):
     return model(x)
 
 
+def _check_predict_batch_size(batch_size) -> int:
+    """batch_size of :func:`predict_logits` / :func:`jaxfox.models.perception.predict`: an int >= 1 (a negative
+    one made ``range`` skip every window and return zero logits without a word)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return int(batch_size)
+
+
 def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarray:
     """Logits [N] (NumPy float32) for x [N, T, m], in fixed-size chunks (the last one zero-padded) so that
-    any N reuses one compiled function."""
+    any N reuses one compiled function.
+
+    Raises:
+      ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (from the model).
+    """
+    batch_size = _check_predict_batch_size(batch_size)
     x = np.asarray(x, np.float32)
     n = x.shape[0]
     out = []
@@ -326,10 +339,16 @@ def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarr
 
 
 def evaluate(model: PerceptionV0, x, y, *, batch_size: int = 256) -> tuple[float, float]:
-    """(mean BCE, ROC AUC) of the model on x [N, T, m], y [N] (AUC by :func:`jaxfox.data.market.auc`)."""
+    """(mean BCE, ROC AUC) of the model on x [N, T, m], y [N] (AUC by :func:`jaxfox.data.market.auc`).
+
+    Raises:
+      ValueError: y is not [N] (a [N, 1] y would broadcast the BCE to [N, N] and report a wrong loss), as
+        :func:`predict_logits`, and as :func:`jaxfox.data.market.auc` (y not 0/1 labels of both classes).
+    """
     from jaxfox.data.market import auc
 
     y = np.asarray(y, np.float32)
+    _check_labels(y, len(x), "N")
     logits = predict_logits(model, x, batch_size=batch_size)
     loss = float(np.asarray(optax.sigmoid_binary_cross_entropy(jnp.asarray(logits), jnp.asarray(y)).mean()))
     return loss, auc(logits, y)
