@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const float wt = fabsf(tau - (delta < 0.f ? 1.f : 0.f));
             const float ad = fabsf(delta);
             // L_kappa and its derivative; NaN fails both comparisons and propagates as in the reference (an
-            // infinite target gives d z = -+kappa here, NaN in XLA's reference: 0 * inf in its jnp.where gradient)
+            // infinite target takes the linear branch, clip = +-kappa, as the reference's gradient does)
             const float hub = ad <= kappa ? 0.5f * delta * delta : kappa * (ad - 0.5f * kappa);
             const float clip = ad <= kappa ? delta : (delta > 0.f ? kappa : (delta < 0.f ? -kappa : delta));
             lsum = fmaf(wt, hub, lsum);

@@ -123,7 +123,9 @@ def quantile_embedding(taus, n_cos=64):
 # ----------------------------------------------------------------------------------------------
 def _huber(d, kappa):
     a = jnp.abs(d)
-    return jnp.where(a <= kappa, 0.5 * d * d, kappa * (a - 0.5 * kappa))
+    quad = a <= kappa
+    dq = jnp.where(quad, d, 0.0)  # the unselected quadratic branch at |d| = inf would give 0 * inf = NaN gradients
+    return jnp.where(quad, 0.5 * dq * dq, kappa * (a - 0.5 * kappa))
 
 
 def check_kappa(kappa):

@@ -291,3 +291,22 @@ def test_quantile_huber_needs_a_target_sample():
     y = jnp.asarray(RNG.normal(size=(3, 1)), jnp.float32)
     np.testing.assert_allclose(np.asarray(jaxfox.quantile_huber_loss(z, t, y, per_sample=True)),
                                np_quantile_huber(z, t, y, 1.0), rtol=1e-5, atol=1e-6)
+
+
+def test_quantile_huber_infinite_target_gives_the_bounded_gradient():
+    """An infinite TD error is in the linear region: the loss is inf, and d loss / d z_i is the limit of the
+    Huber slope, -sum_j |tau_i - 1{delta_ij < 0}| sign(delta_ij) / N' (float64 NumPy from the equations), not the
+    NaN that the unselected quadratic branch used to contribute (0 * inf)."""
+    B, N, Np, kappa = 2, 3, 4, 1.5
+    rng = np.random.default_rng(5)
+    z = rng.normal(size=(B, N)).astype(np.float32)
+    taus = rng.uniform(0.05, 0.95, size=(B, N)).astype(np.float32)
+    y = rng.normal(size=(B, Np)).astype(np.float32)
+    y[0, 1], y[1, 3] = np.inf, -np.inf
+    loss, dz = jax.value_and_grad(lambda z: jaxfox.quantile_huber_loss(z, taus, y, kappa, per_sample=True).sum())(
+        jnp.asarray(z))
+    assert np.all(np.isinf(np.asarray(loss)))
+    d = y.astype(np.float64)[:, None, :] - z.astype(np.float64)[:, :, None]
+    w = np.abs(taus.astype(np.float64)[:, :, None] - (d < 0))
+    want = -np.sum(w * np.clip(d, -kappa, kappa) / kappa, axis=2) / Np
+    np.testing.assert_allclose(np.asarray(dz), want, rtol=1e-5, atol=1e-6)
