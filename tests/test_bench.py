@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,3 +65,38 @@ def test_bench_rejects_unknown_case():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no_such_op" in proc.stderr
+
+
+def _bench_variants():
+    from jaxfox.bench import REGISTRY
+    import jaxfox.bench.cases  # noqa: F401  (registers the cases)
+
+    return [(name, i) for name in sorted(REGISTRY) for i in range(len(REGISTRY[name]("small")))]
+
+
+@pytest.mark.parametrize("name,index", _bench_variants())
+def test_bench_case_kernel_path_lowers_for_cuda(name, index, monkeypatch):
+    """Every bench row's jaxfox path, with every opt-in kernel on, traces and lowers for CUDA here (the kernels
+    made available by monkeypatching), so a typing error on the kernel path of a row shows up on this machine,
+    not in a GPU visit's budget. Rows that run the reference only have no custom calls to check."""
+    import jaxfox._ffi
+    from jaxfox.bench import REGISTRY, SkipCase, _make_loop
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "all")
+    variant = REGISTRY[name]("small")[index]
+    try:
+        spec = variant.setup()
+    except SkipCase as e:
+        pytest.skip(f"{variant.label}: {e}")
+    loop = _make_loop(spec.kernel_builder(), 1, 1, variant.stateful)
+    text = jax.jit(loop).trace(*spec.inputs).lower(lowering_platforms=("cuda",)).as_text()
+    xla_only = variant.reference_only or name in _XLA_ROWS or variant.label.startswith(_XLA_SMALL.get(name, ()))
+    assert ("custom_call @jaxfox_" in text) != xla_only, (name, variant.label)
+
+
+# rows whose jaxfox path is XLA by design (no jaxfox kernel for that op), and rows whose small shapes are outside
+# their kernels' limits (the IQL kernel's and the IQN head's minimum widths; lowered with kernels at the default
+# shapes on the H200)
+_XLA_ROWS = ("ema_update", "cast_bf16")
+_XLA_SMALL = {"iql_pair": ("fwd+bwd",), "aux_step": ("iql_pair", "iqn")}
