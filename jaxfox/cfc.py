@@ -46,7 +46,12 @@ def _kernel_hidden_limit():
 
 
 def lecun_tanh(x):
-    """1.7159 * tanh(0.666 * x), the ncps backbone activation."""
+    """1.7159 * tanh(0.666 * x), the ncps backbone activation; elementwise, x of any shape and float dtype
+    -> the same shape and dtype.
+
+    Source: ncps's ``LeCun`` module (mlech26l/ncps, ``ncps/torch/cfc_cell.py``), after LeCun et al. 1998,
+    "Efficient BackProp" (1.7159 tanh(2x / 3)).
+    """
     return 1.7159 * jnp.tanh(0.666 * x)
 
 

@@ -120,6 +120,11 @@ class FlatParams:
     the elementwise decay mask of :func:`default_decay_mask`) and to :func:`ema_update`.
     Differentiate through the view: ``jax.grad(lambda fp: loss(fp.tree))(fp)`` is a FlatParams of
     the flat gradient.
+
+    Build one with ``FlatParams.from_tree(params)`` (:func:`flatten`: leaves in ``jax.tree.leaves``
+    order, each row-major, float32/bfloat16/float16 leaves; ``flat`` is float32 [P], P the total number
+    of elements; ``tree`` gives back the original shapes and dtypes). ``from_tree`` raises TypeError
+    when a leaf is not a float32/bfloat16/float16 array.
     """
 
     def __init__(self, flat, layout: _Layout):
@@ -515,6 +520,10 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
 def ema_update(target, online, tau):
     """Polyak averaging: theta' <- tau * theta + (1 - tau) * theta' per leaf (theta = online,
     theta' = target), e.g. the target network of DQN.
+
+    Source: the soft target update of Lillicrap et al. 2016 ("Continuous control with deep reinforcement
+    learning", DDPG); reference implementation ``optax.incremental_update(online, target, tau)``, the same
+    value ``tau * new + (1 - tau) * old`` (without the bitwise tau = 0 / 1 guarantees below).
 
     tau = 1 returns the online values bitwise (including NaN payloads and -0.0); tau = 0 returns
     the target values bitwise. Both hold for every input, finite or not, because they are selected
