@@ -12,6 +12,9 @@ not pytorch-forecasting's (which interpolates the skip path):
     skip(a) = a when input and output widths match, else a W_s + b_s (a learned Dense)
     LayerNorm(x) = (x - mu) / sqrt(var + eps) * gamma + beta,  mu = mean(x), var = mean((x - mu)^2)
 
+The paper's eq. (5) writes the GLU as sigmoid(W4 g + b4) (.) (W5 g + b5), the gate on W4; here (as OPS.md)
+``w4`` is the value path and ``w5`` the gate: swap the two when loading weights named after the paper.
+
 LayerNorm statistics are float32 and multi-pass (never E[x^2] - E[x]^2), computed on the row
 shifted by its first element with a correction pass (:func:`layer_norm`; mathematically
 identical, and rows with a large common offset such as 1449 +- 1 keep their digits). Dropout (used in the paper before the gate) is not part of the op.
