@@ -237,6 +237,8 @@ def _dispatch(cfg, params, hs, mask):
         return _kernel_path(cfg, params, hs, mask)
 
     B, T, H = hs.shape
+    if T == 0 and mask is None:
+        mask = jnp.zeros((B, 0), jnp.bool_)  # no step is valid: pooled = 0 (no b_o), as with any [B, 0] mask
     if B == 0 or T == 0 or cfg.samples_per_block < 1 or not kernel_opted_in("attention_pool"):
         # opt-in until measured on a GPU (the previous kernels were slower than XLA, BENCHMARKS.md)
         return reference(params, hs, mask)
@@ -251,7 +253,9 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
         [in, out], ``b_o`` [H]; all float32).
       hs: [B, T, H] float32 or bfloat16 (B samples, T time steps, H features). bfloat16 inputs are
         converted to float32 before any arithmetic (projections, softmax and sums are float32).
-      mask: [B, T] bool, True where a step is valid, or None (all valid).
+      mask: [B, T] bool, True where a step is valid, or None (all valid; with T = 0 no step is, so pooled is 0).
+        Masked steps get weight 0, but their hs still enter the sums as 0 * h_t (as in PyTorch's attention): pad
+        them with finite values (a NaN or Inf at a masked step makes the sample's pooled NaN).
       num_heads: n, must divide H and match the ``num_heads`` the params were made for (the
         parameter shapes do not record it).
 
@@ -261,7 +265,9 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
       valid step, whose pooled is 0 too).
 
     Differentiable in params and hs (``jax.custom_vjp`` over the forward and backward kernels on
-    CUDA; autodiff of the reference elsewhere); the gradient for hs has hs's dtype.
+    CUDA, opt-in; autodiff of the reference elsewhere); the gradient for hs has hs's dtype. On the kernel path
+    only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives raise there
+    (trace them inside :func:`jaxfox.use_reference`).
     A sample with every step masked gets zero gradients and leaves the other samples unchanged.
 
     Source: OPS.md "Attention pooling over time"; Set Transformer PMA (Lee et al. 2019, eq. 11)

@@ -643,3 +643,18 @@ def test_rows_beyond_the_shared_memory_run_the_reference(monkeypatch):
     text = jax.jit(lambda p, h: attention_pool(p, h)[0]).trace(params, hs[:, :64]).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "jaxfox_attention_pool_fwd" in text
+
+
+def test_no_steps_without_a_mask_gives_zero_like_an_all_false_mask():
+    """T = 0 and mask=None: no sample has a valid step, so pooled is 0 (the docstring's rule, and what the
+    float64 oracle and an all-False [B, 0] mask give), not b_o."""
+    params = random_params(8, 2)
+    assert np.any(np.asarray(params["b_o"]) != 0.0)
+    hs = np.zeros((3, 0, 8), np.float32)
+    want_p, want_a = np_attention_pool(params, hs, None, 2)
+    for fn in (attention_pool, jax.jit(attention_pool, static_argnames="num_heads")):
+        pooled, alpha = fn(params, jnp.asarray(hs), None, num_heads=2)
+        np.testing.assert_array_equal(np.asarray(pooled), want_p.astype(np.float32))
+        assert alpha.shape == want_a.shape == (3, 2, 0)
+    g = jax.grad(lambda p: attention_pool(p, jnp.asarray(hs), num_heads=2)[0].sum())(params)
+    assert np.all(np.asarray(g["b_o"]) == 0.0)
