@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match,
+                         smem_per_block_limit)
 from jaxfox._validate import check_array as _check_array, positive_int as _positive_int
 from jaxfox.reduce import reduce_chunks
 
@@ -310,6 +311,25 @@ def _scan_kernel_bwd(cfg, res, dhs):
 _scan_kernel.defvjp(_scan_kernel_fwd, _scan_kernel_bwd)
 
 
+_KERNEL_THREADS = 256  # kNT in ffi/cfc.cu
+_MAX_CLUSTER = 8
+
+
+def _kernel_smem_fits(cfg) -> bool:
+    """False when even the smallest forward layout of ffi/cfc.cu (MakeLayout with the weights in global memory, the
+    largest cluster) exceeds the device's shared memory per block, so that ChooseCluster would return
+    InvalidArgument at run time: its reduction buffer and the L + 1 task buffers hold red = max(256, I + H, U,
+    nh ceil(H / 8), K nh) floats each (K = U, or I + H when L = 0), plus z [2 (I + H)] and the activations [L U].
+    A lower bound (alignment padding left out), so a shape it rejects cannot run the kernels."""
+    nh = _n_heads(cfg)
+    k0 = cfg.input_size + cfg.hidden_size
+    kh = cfg.units if cfg.layers > 0 else k0
+    red = max(_KERNEL_THREADS, k0, cfg.units, nh * -(-cfg.hidden_size // _MAX_CLUSTER), kh * nh)
+    floats = red + 4 * (cfg.layers + 1) * (red + 1) + 4 * (cfg.layers + 1) + 2 * k0 + cfg.layers * cfg.units
+    cc = cuda_compute_capability()  # None when no CUDA device is visible (tracing for CUDA elsewhere): 9.0's limit
+    return 4 * floats <= smem_per_block_limit(cc if cc is not None else (9, 0))
+
+
 def _scan_dispatch(cfg, params, xs, ts, h0):
     def reference(params, xs, ts, h0):
         return _scan_reference(cfg, params, xs, ts, h0)
@@ -318,7 +338,7 @@ def _scan_dispatch(cfg, params, xs, ts, h0):
         return _scan_kernel(cfg, _flatten(params), xs, ts, h0)
 
     if (cfg.layers > _MAX_KERNEL_LAYERS or cfg.hidden_size > _kernel_hidden_limit()
-            or xs.shape[0] == 0 or xs.shape[1] == 0):
+            or xs.shape[0] == 0 or xs.shape[1] == 0 or not _kernel_smem_fits(cfg)):
         return reference(params, xs, ts, h0)
     return dispatch(kernel, reference, params, xs, ts, h0, batch=(False, True, True, True))
 
@@ -349,8 +369,9 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
       xs: [B, T, I] float32, batch-major (ncps ``batch_first=True``).
       ts: elapsed time of each step in bars: a scalar, [B] (one per sample) or [B, T] (per step).
         Must be >= 0 (0 is valid; NaN is not). Under ``jit`` a negative or NaN traced value cannot raise:
-        a negative one makes that step's output NaN (later steps are unaffected); a NaN one makes the
-        sample's state NaN from that step on (the recurrence carries it).
+        a negative one makes that step's output NaN, but the recurrence carries on from the state computed with
+        the negative value, so later steps are not those of any valid input (in mode "pure", exp(-ts ...) overflows
+        for a large negative ts and they become NaN too); a NaN one makes the sample's state NaN from that step on.
       h0: initial state [B, H] float32, or None for zeros.
       mode: "default", "no_gate" or "pure" (module docstring).
 
@@ -358,9 +379,14 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
       hs [B, T, H] float32, the state after each step.
 
     Differentiable in params, xs, ts and h0 (``jax.custom_vjp`` over the forward and backward
-    kernels on CUDA; autodiff of a ``lax.scan`` reference elsewhere). The kernels take up to 4
+    kernels on CUDA; autodiff of a ``lax.scan`` reference elsewhere): reverse mode everywhere; forward mode
+    (``jax.jvp``, ``jax.jacfwd``) and derivatives of order 2 and higher only off the kernel path (on CUDA they
+    raise, e.g. "can't apply forward-mode autodiff (jvp) to a custom_vjp function"; trace them inside
+    :func:`jaxfox.use_reference`). The kernels take up to 4
     backbone layers and H <= 2048 (H <= 256 on GPUs older than sm_90, which lack thread-block
-    clusters); other sizes run the reference on every platform.
+    clusters), with widths whose per-step buffers fit in shared memory, about (4 L + 5) max(I + H, nh K) floats
+    (nh = 4 heads, 1 in mode "pure"; K = U, or I + H when L = 0): at L = 1 on 9.0 (227 KiB) I + H up to ~5000 and
+    U up to ~1500; other sizes run the reference on every platform.
 
     Raises:
       TypeError: an argument has the wrong dtype (float32 expected).
@@ -376,8 +402,9 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
     _check_array("xs", xs, (B, T, I))
     H = cfg.hidden_size
     if h0 is None:
-        # zeros_like keeps xs's sharding and (under shard_map) its varying-axes type
-        h0 = jnp.zeros_like(xs, shape=(B, H))
+        # zeros typed like xs's rows: split as xs's batch axis under Explicit mesh axes and varying like xs under
+        # shard_map (zeros_like with a new shape drops the sharding; the sum is dead code, no data is read)
+        h0 = jnp.broadcast_to(jnp.zeros_like(jnp.sum(xs, axis=(1, 2)))[:, None], (B, H))
     _check_array("h0", h0, (B, H))
     ts, concrete = _prepare_ts(ts, B, T)
     hs = _scan_dispatch(cfg, params, xs, ts, h0)

@@ -600,3 +600,56 @@ def test_shard_map_default_h0():
                       in_specs=(P(), P("batch"), P("batch")), out_specs=P("batch"))
     hs = jax.jit(f)(params, xs, ts)
     np.testing.assert_allclose(np.asarray(hs), np_cfc_scan(params, xs, ts, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("L,T", [(5, 6), (1, 0)])
+def test_default_h0_follows_an_explicit_batch_sharding_on_the_reference_path(L, T):
+    """h0=None with xs split over an Explicit mesh axis, on a path that runs the reference directly (5 backbone
+    layers: beyond the kernels; T = 0): the zero state is split like xs's rows (a replicated one made the
+    reference's concat([x, h]) a ShardingTypeError). Values and the params gradient against the float64 oracle."""
+    from jax.sharding import AxisType, NamedSharding
+
+    B, I, H, U = 8, 3, 5, 6
+    params = random_cfc_params(jax.random.key(4), I, H, U, L, "default", seed=4)
+    xs, ts, _ = random_inputs(B, T, I, H, seed=44, ts_kind="per_sample")
+    mesh = jax.make_mesh((4,), ("batch",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        xs_s, ts_s = jax.device_put((jnp.asarray(xs), jnp.asarray(ts)), NamedSharding(mesh, P("batch")))
+        hs = jax.jit(lambda p, x, t: cfc_scan(p, x, t))(params, xs_s, ts_s)
+        g = jax.jit(jax.grad(lambda p, x, t: jnp.sum(cfc_scan(p, x, t) ** 2)))(params, xs_s, ts_s)
+    assert hs.sharding.spec[:1] == P("batch")[:1]
+    want = np_cfc_scan(params, xs, ts, None, "default")
+    _assert_close_f64(hs, want)
+    if T:
+        g1 = jax.jit(jax.grad(lambda p: jnp.sum(cfc_scan(p, jnp.asarray(xs), jnp.asarray(ts)) ** 2)))(params)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
+            assert rel_err(a, b) <= 2e-5
+
+
+def test_inputs_too_wide_for_the_kernels_shared_memory_run_the_reference(monkeypatch):
+    """ffi/cfc.cu's ChooseCluster returns InvalidArgument when even its smallest layout (weights read from global
+    memory) does not fit in shared memory: its reduction and task buffers hold max(I + H, U, ...) floats per
+    product, ~11 (I + H) floats at L = 1. Such widths must run the reference (as the docstring promises for sizes
+    beyond the kernels), not a kernel that fails at run time; common widths still get the kernels."""
+    import re
+
+    import jaxfox._ffi
+    import jaxfox.cfc as cfc_mod
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.setattr(cfc_mod, "_kernel_hidden_limit", lambda: 2048)
+
+    def targets(I, H, U, L, mode="default"):
+        params = cfc_init(jax.random.key(0), I, H, backbone_units=U, backbone_layers=L, mode=mode)
+        xs = jnp.zeros((2, 3, I), jnp.float32)
+        f = jax.jit(jax.grad(lambda p, x: jnp.sum(cfc_scan(p, x, mode=mode))))
+        text = f.trace(params, xs).lower(lowering_platforms=("cuda",)).as_text()
+        return sorted(set(re.findall(r"custom_call @(jaxfox_cfc_\w+)", text)))
+
+    # smallest forward layout, floats: red + 4 (L + 1)(red + 1) + 4 (L + 1) + 2 K0 + L U with K0 = I + H and
+    # red = max(256, K0, U, ...): 6008 + 8 * 6009 + 8 + 2 * 6008 + 16 = 66120 floats = 264 KB > 227 KiB
+    assert 4 * (6008 + 8 * 6009 + 8 + 2 * 6008 + 16) > 227 * 1024
+    assert targets(6000, 8, 16, 1) == []
+    assert targets(16, 8, 2600, 4) == []       # 4 layers of 2600 units: 25 U floats > 227 KiB
+    assert targets(48, 128, 128, 1) == ["jaxfox_cfc_bwd", "jaxfox_cfc_fwd"]   # the bench shape
+    assert targets(5, 8, 16, 0, "pure") == ["jaxfox_cfc_bwd", "jaxfox_cfc_fwd"]
