@@ -28,6 +28,12 @@ Deviations from the textbook formulas, all chosen so a zero-priority slot can ne
 * IS weights are computed as (q_min / q_k)^beta with q_min the smallest sampled q: the same value
   as the formula above (n and S cancel), no overflow, and the largest weight is exactly 1.
 
+Range: q_i and S must be finite in the work dtype. With alpha <= 1 that holds for any finite float32
+priorities unless S itself passes ~3.4e38; with alpha > 1 a priority above float32 max^(1/alpha) (1e19 at
+alpha = 2) makes q_i = inf, and the draw then falls back to uniform over the filled slots (zero-priority ones
+included) with NaN-free weights of 1. Both paths follow this rule; keep priorities (e.g. |TD error| + eps)
+far below that bound.
+
 On CUDA (float32 work dtype, i.e. ``jax_enable_x64`` off) the prefix sum and the draws run in
 ``ffi/per.cu``: a multi-block scan (tiles of 2048 items, float64 accumulation, each prefix rounded to
 float32 once; targets ``jaxfox_prefix_sum`` and ``jaxfox_per_sample``) that builds the same
