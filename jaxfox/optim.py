@@ -434,9 +434,11 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
             g_norm = optax.tree.norm(g)
             keep = jnp.squeeze((g_norm < max_grad_norm) | (g_norm == 0))
             g = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / g_norm.astype(t.dtype)) * max_grad_norm), g)
-        # optax.scale_by_adam (eps_root = 0, nesterov = False), same expressions and order.
-        mu = jax.tree.map(lambda t, m: (1 - b1) * (t ** 1) + b1 * m, g, state.mu)
-        nu = jax.tree.map(lambda t, v: (1 - b2) * (t ** 2) + b2 * v, g, state.nu)
+        # optax.scale_by_adam (eps_root = 0, nesterov = False), same expressions and order. The moments stay
+        # float32 (the state's documented dtype) when traced hyperparameters are float64 (jax_enable_x64), so a
+        # scan carry or the next update's check keeps its types; a no-op otherwise.
+        mu = jax.tree.map(lambda t, m: ((1 - b1) * (t ** 1) + b1 * m).astype(m.dtype), g, state.mu)
+        nu = jax.tree.map(lambda t, v: ((1 - b2) * (t ** 2) + b2 * v).astype(v.dtype), g, state.nu)
         count_inc, bc1, bc2, step = step_scalars(state.count)
         u = jax.tree.map(lambda m, v: (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype)) + eps), mu, nu)
         # optax.add_decayed_weights under optax.masked.

@@ -193,6 +193,37 @@ def test_adamw_under_inject_hyperparams(flat):
         optim.fused_adamw(1e-3, b1=jnp.asarray([0.9, 0.9]))
 
 
+def test_adamw_float64_traced_hyperparameters_keep_float32_moments():
+    """With jax_enable_x64, traced float64 b1/b2/eps (a jitted factory, or optax.inject_hyperparams with
+    hyperparam_dtype=float64) leave the state's moments float32 as FusedAdamWState documents: step runs in a
+    lax.scan (whose carry types must not change) and the params follow the float64 equations."""
+    params = {"w": jax.random.normal(jax.random.key(1), (5, 4)), "b": jax.random.normal(jax.random.key(2), (4,))}
+    grads = [grads_at(t, params, 0.2) for t in range(4)]
+    with jax.enable_x64(True):
+        def loop(b1, b2, eps, p, gs):
+            tx = optim.fused_adamw(1e-2, b1=b1, b2=b2, eps=eps, weight_decay=0.1)
+
+            def body(c, g):
+                return tx.step(g, c[1], c[0]), None
+
+            return jax.lax.scan(body, (p, tx.init(p)), gs)[0]
+
+        gs = jax.tree.map(lambda *x: jnp.stack(x), *grads)
+        p, state = jax.jit(loop)(jnp.float64(0.8), jnp.float64(0.99), jnp.float64(1e-6), params, gs)
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((p, state.mu, state.nu)))
+        tx = optax.inject_hyperparams(optim.fused_adamw, hyperparam_dtype=jnp.float64)(learning_rate=1e-2)
+        st, q = tx.init(params), params
+        for g in grads:
+            u, st = jax.jit(tx.update)(g, st, q)
+            q = optax.apply_updates(q, u)
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((st.inner_state.mu, st.inner_state.nu)))
+    want = np_adamw(params, grads, lambda c: 1e-2, 0.8, 0.99, 1e-6, 0.1, {"w": True, "b": False}, None)
+    want_q = np_adamw(params, grads, lambda c: 1e-2, 0.9, 0.999, 1e-8, 1e-4, {"w": True, "b": False}, None)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(p[k]), want[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(q[k]), want_q[k], rtol=1e-5, atol=1e-6)
+
+
 def test_adamw_explicit_and_elementwise_masks():
     params = mlp_params(3)
     mask = {"dense1": {"w": True, "b": True}, "ln": False, "dense2": {"w": False, "b": True}, "temp": True}
