@@ -318,6 +318,10 @@ def categorical_double_q_loss(logits_tm1, a_tm1, r_t, discount_t, logits_t_targe
       ``logits_tm1``: the target distribution m (including the online argmax path, r_t,
       discount_t and support) is under ``stop_gradient``. d loss[b] / d logits_tm1[b, d, a_tm1] =
       (sum_i m_i softmax(.) - m) / D, which is (softmax - m) / D as m sums to 1.
+      On CUDA (the fused kernel, the default there) only reverse mode of order 1: ``jax.jvp`` /
+      ``jax.jacfwd`` raise "can't apply forward-mode autodiff (jvp) to a custom_vjp function" and
+      ``jax.hessian`` "The FFI call to `jaxfox_c51_loss` cannot be differentiated"; elsewhere, or traced
+      inside :func:`jaxfox.use_reference`, every JAX derivative of the reference works.
 
     Raises:
       TypeError: an argument is not an array or has a wrong dtype (a_tm1 must be integer).

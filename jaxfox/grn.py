@@ -215,13 +215,16 @@ def _common_dtype(x, c):
 def layer_norm(x, gamma, beta, eps=1e-5):
     """LayerNorm over the last axis in float32: (x - mu) / sqrt(var + eps) * gamma + beta.
 
-    x [..., O] float32; gamma, beta [O]. var = mean((x - mu)^2) (biased), never E[x^2] - E[x]^2,
+    x [..., O] float32 (bfloat16/float16 x is upcast to float32 first, so the statistics are float32 whatever
+    its dtype; float64 stays float64); gamma, beta [O]. Returns [..., O] in the promoted dtype (float32 for
+    float32/bfloat16/float16 x and parameters). var = mean((x - mu)^2) (biased), never E[x^2] - E[x]^2,
     computed in passes over the row shifted by its first element: d = x - x0, dev = d - mean(d),
     then dev -= mean(dev) (zero up to the rounding of mean(d); it restores the digits when x0 is
     an outlier of a row with a large common offset), var = mean(dev^2). The same function as the
     textbook formula; the shift x0 and the correction mean(dev) are constants of the gradient,
     which is exact because the output does not depend on them.
     """
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # a bfloat16 mean/variance was 1e-2 off, float16's overflowed
     x0 = jax.lax.stop_gradient(x[..., :1])
     d = x - x0
     dev = d - jnp.mean(d, axis=-1, keepdims=True)
@@ -401,7 +404,9 @@ def grn(params, a, context=None, *, eps=1e-5):
     With ``JAXFOX_OPT_IN_KERNELS=grn`` on CUDA, a GRN without context and with small widths (I <= 256,
     Hd <= 64, O <= 64: module docstring) runs the fused kernels of ``ffi/grn.cu`` (forward and a
     ``jax.custom_vjp`` backward, parameter gradients summed in a fixed order: bitwise reproducible);
-    they are not faster than XLA on the H200 so far, hence opt-in.
+    they are not faster than XLA on the H200 so far, hence opt-in. That kernel path is reverse mode of
+    order 1 only: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives raise there (trace them
+    inside :func:`jaxfox.use_reference`).
 
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, or eps is not a number.

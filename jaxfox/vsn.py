@@ -256,7 +256,10 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     Differentiable in params, xs and context. On CUDA with d, Hd, O <= 32 the per-variable GRNs run the
     fused kernels of ``ffi/vsn.cu`` (forward and a ``jax.custom_vjp`` backward, parameter gradients summed
     in a fixed order: bitwise reproducible); everything else is XLA code with JAX autodiff (module
-    docstring).
+    docstring). Reverse mode of order 1 (``jax.grad``, ``jax.vjp``) everywhere; forward mode (``jax.jvp``,
+    ``jax.jacfwd``) and higher derivatives (``jax.hessian``) only off the kernel path: on CUDA with those
+    widths (the default there, not an opt-in) they raise (e.g. "can't apply forward-mode autodiff (jvp) to
+    a custom_vjp function"); trace them inside :func:`jaxfox.use_reference` for the XLA path.
 
     Raises:
       TypeError: an input is not float32/bfloat16, a parameter is not float32, eps not a number.

@@ -247,6 +247,19 @@ def test_layer_norm_helper():
     assert_f32_close(y, np_layer_norm(x.astype(np.float64), g, b, 1e-5), tol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_layer_norm_narrow_inputs_use_float32_statistics(dtype):
+    """layer_norm's statistics are float32 (its docstring) for bfloat16/float16 x too: bfloat16 means and variances
+    were 1e-2 off, and a float16 row spread over 600 squared to inf (every output became beta)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((4, 64)) * 3.0 + 1.0, dtype)
+    x = x.at[0, :4].set(jnp.asarray([0.0, 600.0, 100.0, 300.0], dtype))
+    g, b = rng.standard_normal(64), rng.standard_normal(64)
+    y = grn_mod.layer_norm(x, jnp.asarray(g, jnp.float32), jnp.asarray(b, jnp.float32), 1e-5)
+    assert y.dtype == jnp.float32
+    assert_f32_close(y, np_layer_norm(np.asarray(x.astype(jnp.float32), np.float64), g, b, 1e-5), tol=2e-6)
+
+
 # ----------------------------------------------------------------------------------------------
 # bfloat16 inputs.
 def test_bfloat16_inputs_keep_float32_statistics():
