@@ -205,9 +205,12 @@ _loss_kernel_f32.defvjp(_loss_kernel_fwd, _loss_kernel_bwd)
 def _loss_kernel(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
     f32 = jnp.float32
     sg = jax.lax.stop_gradient
-    return _loss_kernel_f32(logits_tm1.astype(f32), a_tm1.astype(jnp.int32), sg(r_t.astype(f32)),
-                            sg(discount_t.astype(f32)), sg(logits_t_target.astype(f32)),
-                            sg(logits_t_online.astype(f32)), sg(support.astype(f32)))
+    r, discount = sg(r_t.astype(f32)), sg(discount_t.astype(f32))
+    loss = _loss_kernel_f32(logits_tm1.astype(f32), a_tm1.astype(jnp.int32), r, discount,
+                            sg(logits_t_target.astype(f32)), sg(logits_t_online.astype(f32)), sg(support.astype(f32)))
+    # The kernel clamps r + discount z with fmaxf/fminf, which map NaN to v_min (a finite loss); the reference's
+    # projection propagates it. A NaN reward or discount makes that sample's loss and gradient NaN here too.
+    return loss * jnp.where(jnp.isnan(r) | jnp.isnan(discount), jnp.nan, 1.0).astype(f32)
 
 
 def _loss_dispatch(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):

@@ -583,3 +583,38 @@ def test_vmap_over_a_leading_axis_matches_slices():
 def test_empty_batch():
     inp = make_inputs(0, 2, 3, 11, support=Z11)
     assert loss_of(inp).shape == (0,)
+
+
+def test_kernel_path_nan_reward_or_discount_gives_nan_like_the_reference(monkeypatch):
+    """ffi/c51.cu clamps r + discount z with fmaxf/fminf, which turn NaN into v_min: its loss for a sample with a
+    NaN reward or discount is finite. The kernel path must give NaN there (loss and gradient), as the reference
+    does; the other samples keep the kernel's values. The FFI call is replaced by a stand-in with the kernel's
+    clamp (NaN rewards and discounts read as finite), run through the kernel path's custom_vjp on this CPU."""
+    import jaxfox.c51 as c51_mod
+
+    def fake_call(with_grad, logits_tm1, a_tm1, r_t, discount_t, target, online, support):
+        clean = (jnp.nan_to_num(r_t), jnp.nan_to_num(discount_t))  # any finite stand-in: the clamp hides NaN
+        loss, vjp = jax.vjp(lambda l: c51_mod._loss_reference(l, a_tm1, *clean, target, online, support), logits_tm1)
+        delta = vjp(jnp.ones_like(loss))[0] * logits_tm1.shape[1] if with_grad else jnp.zeros((0,), jnp.float32)
+        return loss, delta
+
+    monkeypatch.setattr(c51_mod, "_c51_call", fake_call)
+    monkeypatch.setattr(c51_mod, "dispatch", lambda kernel, reference, *args, **_: kernel(*args))
+    rng = np.random.default_rng(3)
+    B, D, A, N = 5, 2, 3, 11
+    logits = [jnp.asarray(rng.normal(size=(B, D, A, N)), jnp.float32) for _ in range(3)]
+    a = jnp.asarray(rng.integers(0, A, size=(B, D)), jnp.int32)
+    r = rng.normal(size=B).astype(np.float32)
+    disc = np.full(B, 0.9, np.float32)
+    r[1], disc[3] = np.nan, np.nan
+    f = lambda l0: categorical_double_q_loss(l0, a, r, disc, logits[1], logits[2], Z11)  # noqa: E731
+    loss, vjp = jax.vjp(f, logits[0])
+    (g,) = vjp(jnp.ones(B, jnp.float32))
+    monkeypatch.undo()
+    want_loss, want_vjp = jax.vjp(f, logits[0])                    # the reference: NaN rows 1 and 3
+    (want_g,) = want_vjp(jnp.ones(B, jnp.float32))
+    bad = np.array([False, True, False, True, False])
+    assert np.isnan(np.asarray(want_loss)[bad]).all() and np.isnan(np.asarray(loss)[bad]).all()
+    assert np.isnan(np.asarray(g)[bad]).all()
+    np.testing.assert_allclose(np.asarray(loss)[~bad], np.asarray(want_loss)[~bad], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g)[~bad], np.asarray(want_g)[~bad], rtol=1e-5, atol=1e-7)
