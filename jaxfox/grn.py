@@ -166,7 +166,8 @@ def _check_eps(eps):
         raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
     if not (math.isfinite(float(eps)) and float(eps) > 0.0):
         raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
-    e32 = float(np.float32(eps))
+    with np.errstate(over="ignore", under="ignore"):
+        e32 = float(np.float32(eps))
     if not (math.isfinite(e32) and e32 > 0.0):  # the statistics are float32: 1e-46 would be 0, 1e39 inf
         raise ValueError(f"eps must be a positive finite float32 (about 1.4e-45 to 3.4e38), got {eps!r}")
     return float(eps)
