@@ -113,7 +113,16 @@ def test_aux_step_equals_separate_steps_and_sequential():
     seq, info_seq = jax.jit(tr.aux_step_sequential)(st, b)
     for k in info:
         np.testing.assert_allclose(np.asarray(info_seq[k]), np.asarray(info[k]), rtol=1e-6, atol=1e-7, err_msg=k)
-    # The IQN target moved by EMA (target_tau of the way) and the key advanced.
+    # The IQN target moved by EMA (target_tau of the way) and the key advanced. (The comparison above is with
+    # iqn_step, the same code: here the EMA is checked against float64 NumPy, target' = (1 - tau) target + tau p'.)
+    tau = SMALL.target_tau
+    for t1, t0, p1 in zip(jax.tree.leaves(new.iqn.target), jax.tree.leaves(st.iqn.target),
+                          jax.tree.leaves(new.iqn.params), strict=True):
+        t1, t0, p1 = (np.asarray(x, np.float64) for x in (t1, t0, p1))
+        np.testing.assert_allclose(t1, (1 - tau) * t0 + tau * p1, rtol=1e-6, atol=1e-8)
+    moved = max(float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+                for a, b in zip(jax.tree.leaves(new.iqn.target), jax.tree.leaves(st.iqn.target)))
+    assert moved > 1e-6, moved  # the step moved it: the check above can tell a skipped or mis-weighted update
     assert not np.array_equal(np.asarray(jax.random.key_data(new.iqn.key)), np.asarray(jax.random.key_data(st.iqn.key)))
 
 

@@ -155,7 +155,8 @@ def test_vmap():
     Xs = [jnp.stack([x, 2 * x]) for x in xs]
     ys = jax.vmap(lambda xs: jaxfox.grouped_matmul(xs, ws, bs))(Xs)
     for g in range(2):
-        _close(ys[g][1], _np_fwd(2 * np.asarray(xs[g]), ws[g], bs[g]), 1e-5)
+        for v, s in enumerate((1, 2)):  # every instance (a vmap that repeated one instance would pass on one)
+            _close(ys[g][v], _np_fwd(s * np.asarray(xs[g]), ws[g], bs[g]), 1e-5)
 
 
 def test_wgrad_splits_rule():
