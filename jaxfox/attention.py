@@ -21,7 +21,8 @@ would add q_j . b_k / sqrt(d) to every score of head j, which the softmax cancel
 effect and a zero gradient), and the value bias reaches the output only as W_o b_v (the weights sum
 to 1), which b_o already represents; so only b_o is kept.
 
-On CUDA (``ffi/attention_pool.cu``, opt-in: ``JAXFOX_OPT_IN_KERNELS=attention_pool``) K and V are never
+On CUDA (``ffi/attention_pool.cu``; by default from B T >= 16384 rows on, at any size with
+``JAXFOX_OPT_IN_KERNELS=attention_pool``) K and V are never
 formed: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d), c_j = sum_t alpha[j, t] h_t and
 pv_{D_j} = c_j W_v[:, D_j]. The kernels do the per-sample streaming part (scores, masked softmax, c; and
 in the backward d alpha -> softmax backward -> d hs and d u), each CTA holding the rows of G <= max(1, 64 // T)
@@ -30,7 +31,9 @@ batched XLA GEMMs over all samples. Sums run in a fixed order without atomics (d
 :func:`jaxfox.reduce_axis0`'s kernel), so results are bitwise reproducible; a sample's alpha comes from the
 kernel alone and does not depend on the rest of the batch (pooled and d hs also pass through XLA's batched
 GEMMs, whose algorithm may depend on the batch size). Shapes where one sample does not fit in 96 KiB (about
-T H > 23000 at 4 heads) run the reference on CUDA too. The kernels have not yet run on a GPU in this form.
+T H > 23000 at 4 heads) run the reference on CUDA too. H200, fwd+bwd (BENCHMARKS.md "twenty-eighth session"):
+0.86x XLA at 2048 rows (B=32 T=64 H=128, hence XLA there by default), 1.23x at 16384 rows, 1.54x at the aux
+trainer's B=16384 T=16 H=64 (parameter gradients only).
 """
 
 from __future__ import annotations
@@ -229,6 +232,12 @@ def _kernel_path(cfg, params, hs, mask):
     return _output(params, pv, mask), alpha
 
 
+# The kernels run by default from this many rows B T on (BENCHMARKS.md "twenty-eighth session", H200, fwd+bwd:
+# 0.86x XLA at 2048 rows (B=32 T=64 H=128), 1.24x at 16384 (B=256), 1.58x at the aux trainer's B=16384 T=16 H=64,
+# params only); JAXFOX_OPT_IN_KERNELS=attention_pool runs them at any size.
+_KERNEL_MIN_ROWS = 16384
+
+
 def _dispatch(cfg, params, hs, mask):
     def reference(params, hs, mask):
         return _reference(cfg.num_heads, params, hs, mask)
@@ -239,8 +248,8 @@ def _dispatch(cfg, params, hs, mask):
     B, T, H = hs.shape
     if T == 0 and mask is None:
         mask = jnp.zeros((B, 0), jnp.bool_)  # no step is valid: pooled = 0 (no b_o), as with any [B, 0] mask
-    if B == 0 or T == 0 or cfg.samples_per_block < 1 or not kernel_opted_in("attention_pool"):
-        # opt-in until measured on a GPU (the previous kernels were slower than XLA, BENCHMARKS.md)
+    if (B == 0 or T == 0 or cfg.samples_per_block < 1
+            or not (B * T >= _KERNEL_MIN_ROWS or kernel_opted_in("attention_pool"))):
         return reference(params, hs, mask)
     return dispatch(kernel, reference, params, hs, mask, batch=(False, True, True))
 
@@ -265,7 +274,7 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
       valid step, whose pooled is 0 too).
 
     Differentiable in params and hs (``jax.custom_vjp`` over the forward and backward kernels on
-    CUDA, opt-in; autodiff of the reference elsewhere); the gradient for hs has hs's dtype. On the kernel path
+    CUDA from 16384 rows on; autodiff of the reference elsewhere); the gradient for hs has hs's dtype. On the kernel path
     only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives raise there
     (trace them inside :func:`jaxfox.use_reference`).
     A sample with every step masked gets zero gradients and leaves the other samples unchanged.

@@ -408,7 +408,6 @@ def test_shapes_outside_the_kernel_run_the_reference(B, N, K, H):
 # Command buffers (CUDA graphs) on and off: bitwise the same results.
 _CMDBUF_SCRIPT = textwrap.dedent("""
     import os, sys
-    os.environ["JAXFOX_OPT_IN_KERNELS"] = "iqn_loss"  # the fused loss kernel (read when a function is traced)
     import jax, jax.numpy as jnp, numpy as np
     import jaxfox
     assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
@@ -533,7 +532,7 @@ def test_sgd_quantile_regression_loss_falls():
 # iqn_quantile_huber_loss: the fused loss-and-gradient kernel (jaxfox_iqn_loss, opt-in "iqn_loss").
 @pytest.fixture
 def fused_loss(monkeypatch):
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iqn_loss")
+    """The fused loss kernel runs by default (it was opt-in until measured)."""
 
 
 def _fused_grad(p, s, t, y, kappa=1.0):

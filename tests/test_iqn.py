@@ -537,21 +537,6 @@ def test_aux_iqn_quantiles_match_oracle(F, H, K):
     assert_raises_naming(lambda: iqn_quantiles(params, obs, taus, K + 1), ValueError, "n_cos")
 
 
-def test_aux_iqn_step_lowers_to_the_kernels(kernels_on):
-    """The aux IQN training step at the default sizes (H = 128, n_cos = 64, N = N' = 32) runs the online and
-    target heads through the forward kernel and the online one through the backward, without d taus."""
-    from jaxfox.models.aux import AuxConfig, make_aux, synthetic_batch
-
-    cfg = AuxConfig(obs_dim=16)
-    tr = make_aux(cfg)
-    st = tr.init(jax.random.key(0))
-    batch = synthetic_batch(jax.random.key(1), cfg, 64)["iqn"]
-    calls = [c for c in _calls(_cuda_text(tr.iqn_step, st.iqn, batch)) if c[0].startswith("jaxfox_iqn")]
-    assert sorted(t for t, *_ in calls) == [BWD, FWD, FWD], [t for t, *_ in calls]
-    (_, _, _, results), = [c for c in calls if c[0] == BWD]
-    assert results[2] == "tensor<0xf32>" and results[1] == "tensor<64x128xf32>", results
-
-
 @pytest.mark.parametrize("cc,K,H,ok", [
     ((9, 0), 64, 128, True), ((10, 0), 64, 128, True), ((8, 0), 64, 128, False), ((8, 0), 64, 64, True),
     ((8, 6), 32, 64, True), ((8, 6), 64, 64, False), ((12, 0), 32, 128, False), ((7, 5), 32, 64, False)])
@@ -630,7 +615,7 @@ def test_iqn_loss_argument_errors():
 
 @pytest.fixture
 def loss_opted_in(monkeypatch, kernels_on):
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iqn_loss")
+    """The fused loss kernel runs by default (it was opt-in until measured): kernels on is all it takes."""
 
 
 def _loss_grad(argnums, kappa=1.0):
@@ -669,12 +654,13 @@ def test_iqn_loss_kernel_path_differentiating_taus_or_targets_uses_the_head_kern
     assert sorted(t for t, *_ in calls) == [BWD, FWD], [t for t, *_ in calls]
 
 
-def test_iqn_loss_without_the_opt_in_uses_the_head_kernels(kernels_on, monkeypatch):
+def test_iqn_loss_without_any_opt_in_uses_the_fused_kernel(kernels_on, monkeypatch):
+    """The fused loss kernel runs by default since it was measured faster (2.08x XLA, BENCHMARKS.md)."""
     monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
     params = make_params(64, 128)
     psi, taus, _ = make_inputs(5, 32, 128)
     calls = _calls(_cuda_text(_loss_grad((0, 1)), params, psi, taus, make_targets(5, 32)))
-    assert sorted(t for t, *_ in calls) == [BWD, FWD], [t for t, *_ in calls]
+    assert sorted(t for t, *_ in calls) == [LOSS], [t for t, *_ in calls]
 
 
 def _unflatten(flat, K, H):
@@ -687,7 +673,6 @@ def test_iqn_loss_custom_vjp_runs_on_cpu_with_stand_in_kernels(monkeypatch):
     """The custom_vjp around the fused call, executed on this CPU machine: the two FFI-calling functions are
     replaced by pure-JAX stand-ins (same outputs, from the reference), the kernel branch is forced. The gradient
     is the residual scaled by the cotangent; with taus or targets differentiated the composition's VJP is used."""
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iqn_loss")
     monkeypatch.setattr(iqn_mod, "_kernel_supported", lambda cfg, B: True)
     monkeypatch.setattr(iqn_mod, "dispatch", lambda kernel, reference, *a, **k: kernel(*a))
     used = []
@@ -729,7 +714,7 @@ def test_iqn_loss_custom_vjp_runs_on_cpu_with_stand_in_kernels(monkeypatch):
 
 
 def test_aux_iqn_step_with_the_fused_loss_lowers_to_one_loss_call(loss_opted_in):
-    """Opted in, the aux IQN step is the target head's forward kernel plus ONE fused loss call."""
+    """By default, the aux IQN step is the target head's forward kernel plus ONE fused loss call."""
     from jaxfox.models.aux import AuxConfig, make_aux, synthetic_batch
 
     cfg = AuxConfig(obs_dim=16)

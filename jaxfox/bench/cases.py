@@ -392,9 +392,8 @@ def iqn_head_case(size: str) -> list[Variant]:
 
         def builder():
             def op(p, psi, taus, y):
-                with _opted_in("iqn_loss"):   # no effect on the reference path (use_reference() wins)
-                    return jax.value_and_grad(lambda p, psi: jaxfox.iqn_quantile_huber_loss(p, psi, taus, y),
-                                              argnums=(0, 1))(p, psi)
+                return jax.value_and_grad(lambda p, psi: jaxfox.iqn_quantile_huber_loss(p, psi, taus, y),
+                                          argnums=(0, 1))(p, psi)
             return op
 
         return CaseSpec(builder, None, (params, psi, taus, y), None, bwd_flops)
