@@ -232,9 +232,8 @@ def _kernel_path(cfg, params, hs, mask):
     return _output(params, pv, mask), alpha
 
 
-# The kernels run by default from this many rows B T on (BENCHMARKS.md "twenty-eighth session", H200, fwd+bwd:
-# 0.86x XLA at 2048 rows (B=32 T=64 H=128), 1.24x at 16384 (B=256), 1.58x at the aux trainer's B=16384 T=16 H=64,
-# params only); JAXFOX_OPT_IN_KERNELS=attention_pool runs them at any size.
+# The kernels run by default from this many rows B T on (the H200 numbers are in the module docstring: slower than
+# XLA at 2048 rows, faster at 16384); JAXFOX_OPT_IN_KERNELS=attention_pool runs them at any size.
 _KERNEL_MIN_ROWS = 16384
 
 
@@ -274,9 +273,9 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
       valid step, whose pooled is 0 too).
 
     Differentiable in params and hs (``jax.custom_vjp`` over the forward and backward kernels on
-    CUDA from 16384 rows on; autodiff of the reference elsewhere); the gradient for hs has hs's dtype. On the kernel path
-    only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives raise there
-    (trace them inside :func:`jaxfox.use_reference`).
+    CUDA from 16384 rows on; autodiff of the reference elsewhere); the gradient for hs has hs's dtype. On the
+    kernel path only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives
+    raise there (trace them inside :func:`jaxfox.use_reference`).
     A sample with every step masked gets zero gradients and leaves the other samples unchanged.
 
     Source: OPS.md "Attention pooling over time"; Set Transformer PMA (Lee et al. 2019, eq. 11)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import (_explicit_batch_axes, cuda_compute_capability, dispatch, ffi_call as _ffi_call,
-                         kernel_opted_in, psum_to_match, smem_per_block_limit)
+                         psum_to_match, smem_per_block_limit)
 from jaxfox._validate import check_array, positive_int as _positive_int
 from jaxfox.losses import check_kappa, quantile_embedding, quantile_huber_loss
 from jaxfox.reduce import reduce_chunks

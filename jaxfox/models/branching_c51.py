@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfox
 from jaxfox import per
+from jaxfox._validate import positive_int
 from jaxfox.sharding import batch_axis, batch_mesh, check_divisible
 
 __all__ = [
@@ -127,8 +128,7 @@ def support(num_atoms: int = 51, v_max: float = 25.0):
       ValueError: ``num_atoms`` is not an int >= 2 (the network's N), or ``v_max`` is not a finite real > 0
         (bools are refused; NumPy scalars are accepted).
     """
-    if isinstance(num_atoms, bool) or not isinstance(num_atoms, (int, np.integer)) or num_atoms < 2:
-        raise ValueError(f"num_atoms must be an int >= 2, got {num_atoms!r}")
+    num_atoms = positive_int("num_atoms", num_atoms, 2)
     if isinstance(v_max, bool) or not (isinstance(v_max, (int, float, np.integer, np.floating)) and
                                        np.isfinite(v_max) and v_max > 0):
         raise ValueError(f"v_max must be a finite float > 0, got {v_max!r}")
@@ -266,8 +266,7 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
         ``priority_eps`` is not a finite float >= 0 (under jit a negative priority would be stored as 0, so
         the slot would never be sampled again), or the mesh has several axes and none is named "batch".
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    batch_size = positive_int("batch_size", batch_size)
     if isinstance(priority_eps, bool) or not isinstance(priority_eps, (int, float, np.integer, np.floating)) or not (
             np.isfinite(priority_eps) and priority_eps >= 0):
         raise ValueError(f"priority_eps must be a finite float >= 0, got {priority_eps!r}")

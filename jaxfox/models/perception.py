@@ -32,7 +32,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox.models.perception_v0 import (_check_labels, _check_predict_batch_size, _run_epoch, check_window_batch,
+from jaxfox._validate import positive_int
+from jaxfox.models.perception_v0 import (_check_labels, _run_epoch, check_window_batch,
                                          data_parallel_step, make_benchmark_step, make_optimizer)
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
@@ -161,7 +162,7 @@ def predict(model: Perception, x, *, batch_size: int = 256) -> tuple[np.ndarray,
     Raises:
       ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (from the model).
     """
-    batch_size = _check_predict_batch_size(batch_size)
+    batch_size = positive_int("batch_size", batch_size)
     x = np.asarray(x, np.float32)
     n = x.shape[0]
     logits, weights = [], []

@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxfox._validate import positive_int
 from jaxfox.nn import CfC, Optimizer
 from jaxfox.optim import fused_adamw
 from jaxfox.sharding import batch_mesh, batch_sharding, check_divisible, data_parallel_value_and_grad
@@ -310,14 +311,6 @@ def _logits(model, x):
     return model(x)
 
 
-def _check_predict_batch_size(batch_size) -> int:
-    """batch_size of :func:`predict_logits` / :func:`jaxfox.models.perception.predict`: an int >= 1 (a negative
-    one made ``range`` skip every window and return zero logits without a word)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    return int(batch_size)
-
-
 def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarray:
     """Logits [N] (NumPy float32) for x [N, T, m], in fixed-size chunks (the last one zero-padded) so that
     any N reuses one compiled function.
@@ -325,7 +318,7 @@ def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarr
     Raises:
       ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (from the model).
     """
-    batch_size = _check_predict_batch_size(batch_size)
+    batch_size = positive_int("batch_size", batch_size)  # a negative one made range() skip every window
     x = np.asarray(x, np.float32)
     n = x.shape[0]
     out = []
