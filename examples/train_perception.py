@@ -46,9 +46,12 @@ def parse_args(argv=None):
                    help=f"d, embedding width per variable (v0: CfC input m*d); default {D['embed_dim']} (v0), "
                         f"{F['embed_dim']} (full)")
     p.add_argument("--backbone-units", type=int, default=D["backbone_units"], help="U, CfC backbone width")
-    p.add_argument("--vsn-hidden", type=int, default=F["vsn_hidden"], help="full: hidden width of the VSN's GRNs")
-    p.add_argument("--vsn-out", type=int, default=F["vsn_out"], help="full: VSN output width (CfC input)")
-    p.add_argument("--heads", type=int, default=F["num_heads"], help="full: attention-pooling heads (divide H)")
+    full_only = {"vsn_hidden": F["vsn_hidden"], "vsn_out": F["vsn_out"], "heads": F["num_heads"]}
+    p.add_argument("--vsn-hidden", type=int, default=None,
+                   help=f"full only: hidden width of the VSN's GRNs; default {F['vsn_hidden']}")
+    p.add_argument("--vsn-out", type=int, default=None, help=f"full only: VSN output width (CfC input); default {F['vsn_out']}")
+    p.add_argument("--heads", type=int, default=None,
+                   help=f"full only: attention-pooling heads (divide H); default {F['num_heads']}")
     p.add_argument("--lr", type=float, default=D["lr"], help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=D["weight_decay"], help="AdamW decoupled weight decay")
     p.add_argument("--input-noise", type=float, default=0.6,
@@ -62,6 +65,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.embed_dim is None:
         args.embed_dim = D["embed_dim"] if args.model == "v0" else F["embed_dim"]
+    for name, default in full_only.items():  # the v0 model has no VSN or attention pool: refuse, don't ignore
+        if args.model == "v0" and getattr(args, name) is not None:
+            p.error(f"--{name.replace('_', '-')} applies to --model full only (v0 has no VSN or attention pool)")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in ("epochs", "batch_size", "window", "hidden", "embed_dim", "backbone_units", "vsn_hidden", "vsn_out",
                  "heads"):
         if getattr(args, name) < 1:

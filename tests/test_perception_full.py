@@ -311,6 +311,13 @@ def test_main_job_full_rejects_bad_arguments(tmp_path):
     assert tp.parse_args([]).model == "full" and tp.parse_args([]).embed_dim == 4
     assert tp.parse_args(["--model", "v0"]).embed_dim == 2
     assert tp.parse_args(["--model", "full", "--embed-dim", "3"]).embed_dim == 3
+    from jaxfox.models.perception import FULL_DEFAULTS as F
+    a = tp.parse_args([])
+    assert (a.vsn_hidden, a.vsn_out, a.heads) == (F["vsn_hidden"], F["vsn_out"], F["num_heads"])
+    assert tp.parse_args(["--heads", "2"]).heads == 2
+    for flag in ("--vsn-hidden", "--vsn-out", "--heads"):   # v0 has none of these: an error, not ignored
+        with pytest.raises(SystemExit):
+            tp.parse_args(["--model", "v0", flag, "8"])
 
 
 def test_full_benchmark_step_matches_the_model_loss_and_trains():
