@@ -546,7 +546,7 @@ def ema_update(target, online, tau):
       The new target pytree.
 
     Raises:
-      TypeError: non-float leaves, or tau not a scalar number.
+      TypeError: non-float leaves, or tau not a scalar number (a bool, Python or array, is refused).
       ValueError: structures, shapes or dtypes differ (the message names the leaf), concrete tau
         outside [0, 1] or NaN.
     """
@@ -561,8 +561,10 @@ def ema_update(target, online, tau):
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             raise ValueError(f"online{where} must match target{where} {tuple(a.shape)} {a.dtype}, "
                              f"got {tuple(b.shape)} {b.dtype}")
-    if isinstance(tau, bool) or not (isinstance(tau, (int, float, np.integer, np.floating)) or hasattr(tau, "dtype")):
-        raise TypeError(f"tau must be a float scalar, got {type(tau).__name__}")
+    if (isinstance(tau, (bool, np.bool_)) or not (isinstance(tau, (int, float, np.integer, np.floating))
+                                                  or hasattr(tau, "dtype"))
+            or (hasattr(tau, "dtype") and not jnp.issubdtype(tau.dtype, jnp.number))):
+        raise TypeError(f"tau must be a float scalar, got {getattr(tau, 'dtype', type(tau).__name__)}")
     if hasattr(tau, "shape") and tuple(tau.shape) != ():
         raise ValueError(f"tau must be a scalar (shape []), got shape {tuple(tau.shape)}")
     if not isinstance(tau, jax.core.Tracer):

@@ -410,6 +410,9 @@ def test_ema_validation():
         optim.ema_update(x, {"a": jnp.ones(4)}, 0.5)
     with pytest.raises(TypeError, match="float"):
         optim.ema_update({"a": jnp.ones(3, jnp.int32)}, {"a": jnp.ones(3, jnp.int32)}, 0.5)
+    for tau in (True, np.bool_(True), jnp.asarray(True)):   # a bool is not a mixing weight, Python's or an array's
+        with pytest.raises(TypeError, match="tau"):
+            optim.ema_update(x, x, tau)
 
 
 # ----------------------------------------------------------------------------------------------
