@@ -49,7 +49,8 @@ def parse_args(argv=None):
     full_only = {"vsn_hidden": F["vsn_hidden"], "vsn_out": F["vsn_out"], "heads": F["num_heads"]}
     p.add_argument("--vsn-hidden", type=int, default=None,
                    help=f"full only: hidden width of the VSN's GRNs; default {F['vsn_hidden']}")
-    p.add_argument("--vsn-out", type=int, default=None, help=f"full only: VSN output width (CfC input); default {F['vsn_out']}")
+    p.add_argument("--vsn-out", type=int, default=None,
+                   help=f"full only: VSN output width (CfC input); default {F['vsn_out']}")
     p.add_argument("--heads", type=int, default=None,
                    help=f"full only: attention-pooling heads (divide H); default {F['num_heads']}")
     p.add_argument("--lr", type=float, default=D["lr"], help="AdamW learning rate")

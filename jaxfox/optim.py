@@ -561,9 +561,9 @@ def ema_update(target, online, tau):
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             raise ValueError(f"online{where} must match target{where} {tuple(a.shape)} {a.dtype}, "
                              f"got {tuple(b.shape)} {b.dtype}")
-    if (isinstance(tau, (bool, np.bool_)) or not (isinstance(tau, (int, float, np.integer, np.floating))
-                                                  or hasattr(tau, "dtype"))
-            or (hasattr(tau, "dtype") and not jnp.issubdtype(tau.dtype, jnp.number))):
+    is_array = hasattr(tau, "dtype")  # NumPy scalars (np.bool_ too), NumPy and JAX arrays, tracers
+    if (isinstance(tau, bool) or (is_array and not jnp.issubdtype(tau.dtype, jnp.number))
+            or not (is_array or isinstance(tau, (int, float)))):
         raise TypeError(f"tau must be a float scalar, got {getattr(tau, 'dtype', type(tau).__name__)}")
     if hasattr(tau, "shape") and tuple(tau.shape) != ():
         raise ValueError(f"tau must be a scalar (shape []), got shape {tuple(tau.shape)}")

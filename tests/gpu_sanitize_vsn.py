@@ -62,7 +62,7 @@ def case(lead, m, d, H, O, seed=0, vmap=0):
         return out, vjp(dout)
 
     def reference(p, x, v, dout):
-        out, vjp = jax.vjp(lambda p, x, v: vsn_mod._weighted_sum(v, vsn_mod._grn_stacked_reference(p, x, 1e-5)),
+        out, vjp = jax.vjp(lambda p, x, v: vsn_mod._weighted_sum(v, vsn_mod._grn_stacked_reference(p, x, cfg.eps)),
                            p, x, v)
         return out, vjp(dout)
 
@@ -70,10 +70,11 @@ def case(lead, m, d, H, O, seed=0, vmap=0):
         kernel, reference = jax.vmap(kernel), jax.vmap(reference)
     gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
     args = (p, x, v, dout)
-    compiled = jax.jit(kernel).lower(*jax.device_put(args, gpu)).compile()
+    gpu_args = jax.device_put(args, gpu)
+    compiled = jax.jit(kernel).lower(*gpu_args).compile()
     text = compiled.as_text()
     assert "jaxfox_vsn_grn_fwd" in text and "jaxfox_vsn_grn_bwd" in text, (lead, m, d, H, O)
-    got = jax.device_get(jax.block_until_ready(compiled(*jax.device_put(args, gpu))))
+    got = jax.device_get(jax.block_until_ready(compiled(*gpu_args)))
     with jax.default_matmul_precision("highest"):
         want = jax.device_get(jax.jit(reference)(*jax.device_put(args, cpu)))   # on the host: no GPU GEMM
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
