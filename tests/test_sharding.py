@@ -12,6 +12,7 @@ On a machine with several GPUs the same checks with the CUDA kernels are in test
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -515,3 +516,71 @@ def test_reshard_args_needs_one_spec_per_argument():
     x2, y2 = reshard_args(mesh, (x, y), (P("batch"), P()))
     np.testing.assert_array_equal(np.asarray(x2), np.asarray(x))
     assert tuple(x2.sharding.spec)[0] == "batch" and all(a is None for a in tuple(y2.sharding.spec))
+
+
+def test_batch_argnums_must_be_a_tuple_of_ints():
+    """batch_argnums=(1.5,) was truncated to (1,) and (True,) taken as (1,) without an error; a bare int raised
+    "'int' object is not iterable", naming nothing. Tuples (and lists) of ints still work: the value equals float64."""
+    x = jnp.asarray(np.arange(24.0, dtype=np.float32).reshape(8, 3) / 10)
+    p = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+
+    def loss(p, x):
+        return jnp.mean(jnp.sum((x * p) ** 2, axis=1))
+
+    for bad in ((1.5,), (True,), 1, None, (1, "2")):
+        with pytest.raises(TypeError, match=r"^batch_argnums must be a tuple of ints"):
+            data_parallel_value_and_grad(loss, _mesh(4), batch_argnums=bad)
+    x64, p64 = np.asarray(x, np.float64), np.asarray(p, np.float64)
+    for ok in ((1,), [1], (np.int64(1),)):
+        l, g = jax.jit(data_parallel_value_and_grad(loss, _mesh(4), batch_argnums=ok))(p, x)
+        np.testing.assert_allclose(float(l), np.mean(np.sum((x64 * p64) ** 2, axis=1)), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.mean(2 * x64 ** 2 * p64, axis=0), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- XLA_FLAGS helper
+def test_enable_concurrent_command_buffers_keeps_quoted_flags_verbatim(monkeypatch):
+    """The user's other flags are kept as XLA tokenises them (xla/parse_flags_from_env.cc): a quoted value's inner
+    whitespace used to be collapsed by str.split / " ".join ("/tmp/a  b" became "/tmp/a b"), and a quoted value of
+    the scheduling flag itself was not recognised."""
+    import jaxfox.concurrency as cc
+
+    monkeypatch.setattr(cc, "_backends_initialized", lambda: False)
+    flag = cc.COMMAND_BUFFER_SCHEDULING_FLAG
+    monkeypatch.setenv("XLA_FLAGS", f'--xla_dump_to="/tmp/a  b"\t{flag}=SERIALIZE --xla_dump_hlo_as_text')
+    cc.enable_concurrent_command_buffers()
+    assert os.environ["XLA_FLAGS"] == f'--xla_dump_to="/tmp/a  b"\t --xla_dump_hlo_as_text {flag}=CONCURRENT'
+    assert cc.concurrent_command_buffers_enabled()
+    cc.enable_concurrent_command_buffers()  # idempotent: nothing changes
+    assert os.environ["XLA_FLAGS"] == f'--xla_dump_to="/tmp/a  b"\t --xla_dump_hlo_as_text {flag}=CONCURRENT'
+    monkeypatch.setenv("XLA_FLAGS", f'{flag}="CONCURRENT" --xla_dump_to=\'/x y\'')
+    assert cc.concurrent_command_buffers_enabled()     # XLA reads the value without its quotes
+    cc.enable_concurrent_command_buffers()
+    assert os.environ["XLA_FLAGS"] == f'{flag}="CONCURRENT" --xla_dump_to=\'/x y\''
+    monkeypatch.setenv("XLA_FLAGS", f'{flag}=CONCURRENT --xla_dump_to="/a {flag}=SERIALIZE"')
+    assert cc.concurrent_command_buffers_enabled()     # text inside a quoted value is no flag
+
+
+def test_enable_concurrent_command_buffers_with_xla_flags_naming_a_file(tmp_path):
+    """XLA takes an XLA_FLAGS value that does not start with '-' as the name of a file of flags. Appending the flag
+    to that name made XLA look for the file "<name> --xla_gpu_...=CONCURRENT" and stop the process at start-up
+    (LOG(QFATAL) "Could not open file"); now the file's flags are inlined (the device count it sets still holds)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags_file = tmp_path / "flags.txt"
+    flags_file.write_text("--xla_force_host_platform_device_count=3\n")
+    code = ("import os, jaxfox; jaxfox.enable_concurrent_command_buffers(); "
+            "assert jaxfox.concurrent_command_buffers_enabled(); "
+            "import jax; print(len(jax.devices('cpu'))); print(os.environ['XLA_FLAGS'])")
+    env = dict(os.environ, XLA_FLAGS=str(flags_file), PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    assert lines[0] == "3"
+    assert lines[1].split() == ["--xla_force_host_platform_device_count=3",
+                                "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"]
+    # a file that cannot be read: an error naming XLA_FLAGS, before anything is changed
+    env["XLA_FLAGS"] = str(tmp_path / "missing.txt")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "ValueError: XLA_FLAGS=" in out.stderr and "cannot be read" in out.stderr
