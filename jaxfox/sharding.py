@@ -126,9 +126,19 @@ def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: st
         of devices on ``axis_name`` (the message names the argument) or ``batch_argnums`` names a position
         beyond the arguments passed; at once, when ``batch_argnums`` is empty, names params (0) or a negative
         position, or the mesh has no such axis (:func:`batch_axis`).
+      TypeError: at once, when ``batch_argnums`` is not a tuple of ints (a bare int, a float or a bool).
     """
     mesh = batch_mesh(axis_name=axis_name or AXIS) if mesh is None else mesh
     axis_name = batch_axis(mesh, axis_name)
+    given = batch_argnums
+    try:
+        batch_argnums = tuple(batch_argnums)
+    except TypeError:
+        batch_argnums = None
+    if batch_argnums is None or not all(isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+                                        for i in batch_argnums):
+        raise TypeError(f"batch_argnums must be a tuple of ints (positions in fun's signature, params = 0), got "
+                        f"{given!r}")
     batch_argnums = tuple(int(i) for i in batch_argnums)
     if 0 in batch_argnums:
         raise ValueError("batch_argnums: position 0 is params, which are replicated, not split")
