@@ -259,6 +259,26 @@ def test_perception_forward_matches_numpy_and_shapes():
         evaluate(model, x, y[:, None])
 
 
+def test_predict_checks_the_whole_x_before_padding():
+    """predict's errors name x's own shape: a wrong m was reported with the zero-padded chunk's shape ((256, 6, 4)
+    for a [3, 6, 4] x), and an x of N = 0 windows was never checked (a [0, 6] x returned weights of shape [0, 6])."""
+    model = make_model(5, embed_dim=2, vsn_hidden=4, vsn_out=4, hidden=4, backbone_units=8, num_heads=2,
+                       rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^x must have shape \[N, T, 5\], got \(3, 6, 4\)"):
+        predict(model, np.ones((3, 6, 4), np.float32))
+    for bad in (np.zeros((0, 6), np.float32), np.zeros((0, 6, 4), np.float32), np.zeros((0,), np.float32)):
+        with pytest.raises(ValueError, match=r"^x must have shape \[N, T, 5\]"):
+            predict(model, bad)
+    lg, w = predict(model, np.zeros((0, 6, 5), np.float32))
+    assert lg.shape == (0,) and w.shape == (0, 5)
+    # a float64 x is taken as float32 (documented), and the chunked result is the float64 NumPy forward
+    x = np.random.default_rng(1).normal(size=(3, 6, 5))
+    lg, w = predict(model, x, batch_size=2)
+    ref_logits, ref_w = _np_perception(model, x.astype(np.float32))
+    np.testing.assert_allclose(lg, ref_logits, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(w, ref_w.mean(1), rtol=1e-5, atol=1e-7)
+
+
 def test_perception_train_step_lowers_loss():
     model = make_model(6, embed_dim=2, vsn_hidden=8, vsn_out=8, hidden=8, backbone_units=16, num_heads=2,
                        rngs=nnx.Rngs(0))

@@ -160,10 +160,13 @@ def predict(model: Perception, x, *, batch_size: int = 256) -> tuple[np.ndarray,
     VSN weights averaged over its T steps. Fixed-size chunks (the last zero-padded): one compilation.
 
     Raises:
-      ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (from the model).
+      ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (m = ``model.num_features``).
     """
     batch_size = positive_int("batch_size", batch_size)
     x = np.asarray(x, np.float32)
+    # checked here, on the whole x: the model sees only the zero-padded chunks (whose shape an error would report),
+    # and none at all when N = 0
+    check_window_batch(x, getattr(model, "num_features", None), rows="N")
     n = x.shape[0]
     logits, weights = [], []
     for i in range(0, n, batch_size):
