@@ -132,6 +132,12 @@ def test_perception_v0_logits_match_numpy(proj_size):
     for bs in (-1, 0, 2.0, True):
         with pytest.raises(ValueError, match="^batch_size must be an int >= 1"):
             predict_logits(model, x, batch_size=bs)
+    # x is checked whole: a wrong m was reported with the padded chunk's shape, and N = 0 was never checked
+    with pytest.raises(ValueError, match=rf"^x must have shape \[N, T, {m_feat}\], got \(3, {T}, {m_feat + 1}\)"):
+        predict_logits(model, np.ones((3, T, m_feat + 1), np.float32), batch_size=256)
+    with pytest.raises(ValueError, match=r"^x must have shape \[N, T,"):
+        predict_logits(model, np.zeros((0, T), np.float32))
+    assert predict_logits(model, np.zeros((0, T, m_feat), np.float32)).shape == (0,)
     # evaluate: the mean BCE of the NumPy logits; a [N, 1] y broadcast the BCE to [N, N] (a wrong loss, the
     # AUC unchanged) without an error
     y = np.array([0.0, 1.0, 1.0, 0.0], np.float32)

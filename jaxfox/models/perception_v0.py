@@ -320,6 +320,9 @@ def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarr
     """
     batch_size = positive_int("batch_size", batch_size)  # a negative one made range() skip every window
     x = np.asarray(x, np.float32)
+    # checked on the whole x: the model sees only zero-padded chunks (an error would report the chunk's shape),
+    # and none at all when N = 0
+    check_window_batch(x, model.num_features, rows="N")
     n = x.shape[0]
     out = []
     for i in range(0, n, batch_size):
