@@ -104,6 +104,8 @@ def _scalar_hyper(name, value, lo, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) and not (
             hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"{name} must be a float scalar, got {type(value).__name__}")
+    if hasattr(value, "dtype") and jnp.dtype(value.dtype) == jnp.dtype(bool):  # True would be taken as 1.0
+        raise TypeError(f"{name} must be a float scalar, got a bool array")
     if hasattr(value, "shape") and tuple(value.shape) != ():
         raise ValueError(f"{name} must be a scalar (shape []), got shape {tuple(value.shape)}")
     if _is_concrete(value):
@@ -195,16 +197,18 @@ def add(state: PERState, items) -> PERState:
         new_items = state.items
     if n == 0:
         return state
+    # jnp.asarray: a state restored from a checkpoint (flax.serialization) holds NumPy arrays, which have no .at
+    asj = jnp.asarray
     m = min(n, C)  # only the last m of the n items survive
-    start = (state.pos + (n - m)) % C
+    start = (asj(state.pos) + (n - m)) % C
     slots = ((start + jnp.arange(m, dtype=jnp.int32)) % C).astype(jnp.int32)  # distinct: deterministic scatter
     if state.items is not None:
-        new_items = jax.tree.map(lambda store, x: store.at[slots].set(x[n - m:]), state.items, items)
+        new_items = jax.tree.map(lambda store, x: asj(store).at[slots].set(x[n - m:]), state.items, items)
     return PERState(
-        priorities=state.priorities.at[slots].set(state.max_priority),
-        max_priority=state.max_priority,
-        size=jnp.minimum(state.size + m, C).astype(jnp.int32),
-        pos=((state.pos + n % C) % C).astype(jnp.int32),
+        priorities=asj(state.priorities).at[slots].set(state.max_priority),
+        max_priority=asj(state.max_priority),
+        size=jnp.minimum(asj(state.size) + m, C).astype(jnp.int32),
+        pos=((asj(state.pos) + n % C) % C).astype(jnp.int32),
         items=new_items,
     )
 
@@ -242,7 +246,8 @@ def prefix_sum(x: jax.Array) -> jax.Array:
       x: [n] float32 or float64.
 
     Returns:
-      [n], same dtype.
+      [n], same dtype. Differentiable in forward and reverse mode, to any order, on every path (the op is
+      linear: tangents go through ``jnp.cumsum``, cotangents through its transpose, a reversed cumsum).
 
     Raises:
       TypeError: x is not a float32/float64 array.  ValueError: x is not 1-D.
@@ -256,7 +261,20 @@ def prefix_sum(x: jax.Array) -> jax.Array:
         return jnp.cumsum(x)
     if x.shape[0] == 0:
         return x
+    return _prefix_sum_f32(x)
+
+
+@jax.custom_jvp
+def _prefix_sum_f32(x):
     return dispatch(_prefix_sum_kernel, _prefix_sum_df32, x)
+
+
+@_prefix_sum_f32.defjvp
+def _prefix_sum_f32_jvp(primals, tangents):
+    # The op is linear: its tangent is a plain cumsum, which JAX transposes for reverse mode (the FFI call
+    # jaxfox_prefix_sum is neither differentiable nor transposable, so it only computes the primal).
+    (x,), (t,) = primals, tangents
+    return _prefix_sum_f32(x), jnp.cumsum(t)
 
 
 _TILE = 2048      # items per block of the kernels in ffi/per.cu
@@ -365,7 +383,7 @@ def sample(state: PERState, key, batch_size: int, *, alpha, beta):
       w_k = (n P(idx_k))^(-beta) / max_j (n P(idx_j))^(-beta), n = size, computed as (q_min/q_k)^beta.
 
     Raises:
-      TypeError: state is not a PERState, alpha/beta are not scalars.
+      TypeError: state is not a PERState, alpha/beta are not numeric scalars (a bool or bool array is refused).
       ValueError: batch_size is not an int >= 1; concrete alpha < 0 or beta outside [0, 1]; the
         buffer is empty (concrete size 0).
     """
@@ -429,19 +447,29 @@ def sample_items(state: PERState, indices):
 
     Args:
       state: a :class:`PERState` built with an ``item_spec``.
-      indices: [K] integer slots (from :func:`sample`).
+      indices: [K] integer slots (from :func:`sample`), each in [0, size). Concrete (non-traced) indices are
+        checked; traced ones cannot raise and follow JAX indexing (a negative index counts from slot C, then
+        the index is clamped into [0, C)).
 
     Raises:
       TypeError: the buffer has no item storage; indices are not integer.
-      ValueError: indices are not 1-D.
+      ValueError: indices are not 1-D; concrete indices outside [0, C) (or outside [0, size) when size is
+        concrete).
     """
-    _check_state(state)
+    C = _check_state(state)
     if state.items is None:
         raise TypeError("sample_items: this buffer has no item storage (init(capacity) without item_spec)")
     if not hasattr(indices, "dtype") or not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"indices must be an integer array, got {getattr(indices, 'dtype', type(indices).__name__)}")
     if len(indices.shape) != 1:
         raise ValueError(f"indices must have shape [K], got {tuple(indices.shape)}")
+    if _is_concrete(indices):  # a gather would silently clamp (or wrap) a bad slot to another slot's item
+        iv = np.asarray(indices, np.int64)
+        limit = int(np.asarray(state.size)) if _is_concrete(state.size) else C
+        bad = (iv < 0) | (iv >= limit)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"indices must be in [0, {limit}) (filled slots); got {iv[k]} at position {k}")
     return jax.tree.map(lambda store: store[indices], state.items)
 
 
@@ -509,10 +537,13 @@ def update(state: PERState, indices, priorities) -> PERState:
 @jax.jit
 def _update_impl(old_priorities, max_priority, indices, priorities):
     C = old_priorities.shape[0]
-    idx = jnp.asarray(indices).astype(jnp.int32)
+    idx = jnp.asarray(indices)
+    if jnp.iinfo(idx.dtype).bits < 32:
+        idx = idx.astype(jnp.int32)  # widen so that C fits the dtype of the check below
     p = jnp.asarray(priorities).astype(jnp.float32)
     p = jnp.where(jnp.isfinite(p) & (p >= 0), p, 0.0)
-    idx = jnp.where((idx >= 0) & (idx < C), idx, C)  # C is out of bounds: dropped below
+    # range check in the indices' own dtype, before narrowing (an int64 2**32 + 1 must not wrap to slot 1)
+    idx = jnp.where((idx >= 0) & (idx < C), idx, C).astype(jnp.int32)  # C is out of bounds: dropped below
     order = jnp.argsort(idx, stable=True)
     s_idx, s_p = idx[order], p[order]
     is_last = jnp.concatenate([s_idx[1:] != s_idx[:-1], jnp.ones((1,), bool)])

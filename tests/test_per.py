@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import jaxfox
 from jaxfox import per
 
 P_THRESHOLD = 1e-3
@@ -120,6 +121,23 @@ def test_add_jit_matches_eager():
     b = jax.jit(per.add)(s0, items)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_add_to_a_state_of_numpy_arrays():
+    # A state restored from a checkpoint (flax.serialization.from_bytes) holds NumPy arrays; add raised
+    # AttributeError ('numpy.ndarray' object has no attribute 'at'). Expected values: a Python ring buffer.
+    flax_ser = pytest.importorskip("flax.serialization")
+    spec = {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    s = per.update(per.add(per.init(3, spec), {"x": jnp.ones((2, 2))}), jnp.array([1]), jnp.array([4.0]))
+    s_np = flax_ser.from_bytes(per.init(3, spec), flax_ser.to_bytes(s))
+    assert isinstance(s_np.priorities, np.ndarray) and isinstance(s_np.items["x"], np.ndarray)
+    out = per.add(s_np, {"x": jnp.array([[5.0, 6.0], [7.0, 8.0]])})  # slots 2, then 0 (ring wraps)
+    np.testing.assert_array_equal(np.asarray(out.priorities), [4.0, 4.0, 4.0])
+    np.testing.assert_array_equal(np.asarray(out.items["x"]), [[7, 8], [1, 1], [5, 6]])
+    assert (int(out.size), int(out.pos), float(out.max_priority)) == (3, 1, 4.0)
+    out2 = per.add(jax.tree.map(np.asarray, per.add(per.init(4), 1)), 2)  # no item storage
+    np.testing.assert_array_equal(np.asarray(out2.priorities), [1, 1, 1, 0])
+    assert (int(out2.size), int(out2.pos)) == (3, 3)
 
 
 def test_add_validation():
@@ -273,6 +291,20 @@ def test_sample_validation():
         per.sample(s, jax.random.key(0), 2, alpha=jnp.ones(2), beta=0.4)
 
 
+@pytest.mark.parametrize("flag", [jnp.array(True), np.bool_(True), np.array(False)])
+def test_bool_array_alpha_or_beta_is_refused_like_a_python_bool(flag):
+    # A Python bool is refused; a bool array used to be taken silently as 1.0 / 0.0 (beta=True: full IS correction).
+    s = filled_state([1.0, 2.0])
+    for kw in (dict(alpha=flag, beta=0.4), dict(alpha=0.6, beta=flag)):
+        name = next(k for k, v in kw.items() if v is flag)
+        with pytest.raises(TypeError, match=f"{name} must be a float scalar"):
+            per.sample(s, jax.random.key(0), 2, **kw)
+    with pytest.raises(TypeError, match="alpha must be a float scalar"):
+        per.probabilities(s, alpha=flag)
+    with pytest.raises(TypeError, match="alpha must be a float scalar"):
+        jax.jit(lambda a: per.sample(s, jax.random.key(0), 2, alpha=a, beta=0.4))(jnp.asarray(flag))
+
+
 def test_sample_items():
     spec = {"obs": jax.ShapeDtypeStruct((2,), jnp.float32), "a": jax.ShapeDtypeStruct((), jnp.int32)}
     s = per.add(per.init(5, spec), {"obs": jnp.arange(8.0).reshape(4, 2), "a": jnp.arange(4, dtype=jnp.int32) * 10})
@@ -283,6 +315,19 @@ def test_sample_items():
         per.sample_items(per.init(3), jnp.array([0], jnp.int32))
     with pytest.raises(TypeError, match="integer"):
         per.sample_items(s, jnp.array([0.0]))
+
+
+def test_sample_items_refuses_concrete_slots_outside_the_filled_part():
+    # The gather clamps 7 to slot 4 (an unfilled slot: zeros) and wraps -1 to slot 4: concrete indices outside
+    # [0, size) returned another slot's item silently. Traced ones follow JAX indexing (documented).
+    spec = {"x": jax.ShapeDtypeStruct((), jnp.float32)}
+    s = per.add(per.init(5, spec), {"x": jnp.array([10.0, 11.0, 12.0])})
+    for bad, k in (([0, 3], 1), ([7], 0), ([1, 2, -1], 2)):
+        with pytest.raises(ValueError, match=rf"indices must be in \[0, 3\).*got {bad[k]} at position {k}"):
+            per.sample_items(s, jnp.array(bad, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(per.sample_items(s, jnp.array([2, 0], jnp.int8))["x"]), [12.0, 10.0])
+    traced = jax.jit(per.sample_items)(s, jnp.array([2, 7, -1], jnp.int32))["x"]
+    np.testing.assert_array_equal(np.asarray(traced), [12.0, 0.0, 0.0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,6 +397,18 @@ def test_update_invalid_traced_is_safe():
     assert set(np.asarray(i).tolist()) <= {3, 4, 5} and np.isfinite(np.asarray(w)).all()
 
 
+def test_update_traced_int64_index_out_of_range_is_ignored_not_wrapped():
+    # Under jax_enable_x64 a traced int64 index 2**32 + 1 is outside [0, C): it must be ignored, not narrowed
+    # to int32 first (where it wraps to slot 1 and overwrites that slot's priority).
+    with jax.enable_x64(True):
+        s = per.add(per.init(6), 4)
+        idx = jnp.array([2**32 + 1, 2**33 + 2, -(2**32) + 3, 0], jnp.int64)
+        s2 = jax.jit(per.update)(s, idx, jnp.array([5.0, 6.0, 7.0, 2.0], jnp.float32))
+        got, got_max = np.asarray(s2.priorities), float(s2.max_priority)
+    np.testing.assert_array_equal(got, [2, 1, 1, 1, 0, 0])
+    assert got_max == 2.0
+
+
 # ----------------------------------------------------------------------------------------------
 # Accuracy of the prefix sum and absence of drift.
 def test_prefix_sum_within_one_ulp_over_1e6():
@@ -381,6 +438,29 @@ def test_prefix_sum_mixed_magnitudes_and_x64():
         per.prefix_sum(jnp.arange(3))
     with pytest.raises(ValueError):
         per.prefix_sum(jnp.ones((2, 2)))
+
+
+def test_prefix_sum_derivatives_on_the_kernel_path_and_the_reference(kernels_on):
+    """prefix_sum is linear: c = L x with L lower-triangular ones, so jvp(t) = cumsum(t), grad of w . c is the
+    reversed cumsum of w and the Hessian of sum c^2 is 2 L^T L. The kernel path (FFI call jaxfox_prefix_sum, no
+    differentiation rule) must trace and lower for CUDA under jax.grad / jax.jvp as the reference does."""
+    from conftest import cuda_custom_calls
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.random(37), jnp.float32)
+    w = rng.normal(size=37)
+    tri = np.tril(np.ones((37, 37)))
+    f = lambda v: jnp.sum(per.prefix_sum(v) * jnp.asarray(w, jnp.float32))  # noqa: E731
+    calls = cuda_custom_calls(jax.value_and_grad(f), x)  # raised "cannot be differentiated" before
+    assert "jaxfox_prefix_sum" in calls
+    cuda_custom_calls(lambda v, t: jax.jvp(per.prefix_sum, (v,), (t,)), x, x)
+    with jaxfox.use_reference():
+        np.testing.assert_allclose(np.asarray(jax.grad(f)(x)), tri.T @ w, rtol=1e-5, atol=1e-5)
+        t = rng.normal(size=37).astype(np.float32)
+        _, jt = jax.jvp(per.prefix_sum, (x,), (jnp.asarray(t),))
+        np.testing.assert_allclose(np.asarray(jt), tri @ t, rtol=1e-5, atol=1e-5)
+        hess = jax.hessian(lambda v: jnp.sum(per.prefix_sum(v) ** 2))(x[:6])
+        np.testing.assert_allclose(np.asarray(hess), 2 * tri[:6, :6].T @ tri[:6, :6], rtol=1e-6)
 
 
 def test_1e5_updates_no_drift():
