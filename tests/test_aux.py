@@ -126,6 +126,20 @@ def test_aux_step_equals_separate_steps_and_sequential():
     assert not np.array_equal(np.asarray(jax.random.key_data(new.iqn.key)), np.asarray(jax.random.key_data(st.iqn.key)))
 
 
+def test_aux_init_and_step_keep_float32_under_x64():
+    """With jax_enable_x64, iql_init's np.float64 He scale made the value networks float64, which
+    iql_value_loss then refused: the trainers' state and one aux step now stay float32."""
+    with jax.enable_x64(True):
+        tr = make_aux(SMALL)
+        st = tr.init(jax.random.key(0))
+        floats = [l for l in jax.tree.leaves(st) if hasattr(l, "dtype") and jnp.issubdtype(l.dtype, jnp.floating)]
+        assert floats and {str(l.dtype) for l in floats} == {"float32"}
+        new, info = jax.jit(tr.aux_step)(st, synthetic_batch(jax.random.key(1), SMALL, 64))
+        for k, v in info.items():
+            assert v.dtype == jnp.float32 and np.isfinite(np.asarray(v)).all(), k
+        assert {str(l.dtype) for l in jax.tree.leaves(new.iql.params)} == {"float32"}
+
+
 def test_aux_step_losses_fall_together():
     tr = make_aux(SMALL)
     st = tr.init(jax.random.key(5))

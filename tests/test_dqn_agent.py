@@ -173,6 +173,22 @@ def _np_weighted_ce(p, obs, action, m, w, dan):
     return loss, loss_b, g
 
 
+def test_init_agent_and_update_keep_float32_under_x64():
+    """With jax_enable_x64 the trunk init's np.float64 scale made the weights float64, which the agent's own
+    checks then refused (params['w1'] ... got float64): init and one update step now stay float32."""
+    n = 64
+    with jax.enable_x64(True):
+        state, opt, dan = init_agent(jax.random.key(0), capacity=n, lr=1e-3)
+        floats = [l for l in jax.tree.leaves(state) if jnp.issubdtype(l.dtype, jnp.floating)]
+        assert floats and {str(l.dtype) for l in floats} == {"float32"}
+        state = state._replace(buffer=per.add(state.buffer, _fixed_items(n)))
+        update = jax.jit(make_update(opt, dan, support(), batch_size=16, alpha=0.5, tau=0.005))
+        new, info = update(state, jax.random.key(1), 0.4)
+        assert info["loss"].dtype == jnp.float32 and np.isfinite(float(info["loss"]))
+        assert new.online.flat.dtype == jnp.float32
+        assert not np.array_equal(np.asarray(new.online.flat), np.asarray(state.online.flat))
+
+
 def test_update_step_matches_independent_float64_oracle():
     """ONE call of make_update(bf16=False: float32 forward) against an oracle that shares no loss/projection/
     model code with jaxfox: float64 NumPy forward, projection, cross-entropy, IS weights and hand-written

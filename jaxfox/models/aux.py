@@ -135,7 +135,8 @@ def _check_config(cfg: AuxConfig):
 
 def _dense(key, fan_in, fan_out, lead=()):
     """He-normal weights (ReLU nets), std sqrt(2 / fan_in)."""
-    return jax.random.normal(key, (*lead, fan_in, fan_out), jnp.float32) * np.sqrt(2.0 / fan_in)
+    # a Python float scale (weakly typed): an np.float64 one made the weights float64 under jax_enable_x64
+    return jax.random.normal(key, (*lead, fan_in, fan_out), jnp.float32) * float(np.sqrt(2.0 / fan_in))
 
 
 def _decay_mask(params):

@@ -54,7 +54,7 @@ __all__ = [
 
 
 def _lecun(key, fan_in, fan_out):
-    return jax.random.normal(key, (fan_in, fan_out), jnp.float32) / np.sqrt(fan_in)
+    return jax.random.normal(key, (fan_in, fan_out), jnp.float32) / float(np.sqrt(fan_in))  # weak: float32 under x64
 
 
 class BranchingC51(nnx.Module):
