@@ -565,11 +565,18 @@ def beta_schedule(total_steps: int, beta0: float = 0.4, beta1: float = 1.0):
 
     Raises:
       ValueError: total_steps is not an int >= 1, or beta0/beta1 outside [0, 1].
+      TypeError: beta0/beta1 is not a real scalar (a bool, a traced value, an array of shape other than []).
     """
     T = _positive_int("total_steps", total_steps)
     for name, b in (("beta0", beta0), ("beta1", beta1)):
-        if not isinstance(b, (int, float, np.floating)) or isinstance(b, bool) or not 0.0 <= float(b) <= 1.0:
-            raise ValueError(f"{name} must be a float in [0, 1], got {b!r}")
+        # a Python/NumPy number or a concrete 0-d real array (jnp.float32(0.4) too); bools are refused
+        ok = (isinstance(b, (int, float, np.integer, np.floating)) and not isinstance(b, (bool, np.bool_))) or (
+            hasattr(b, "dtype") and hasattr(b, "shape") and tuple(b.shape) == () and _is_concrete(b)
+            and (jnp.issubdtype(b.dtype, jnp.floating) or jnp.issubdtype(b.dtype, jnp.integer)))
+        if not ok:
+            raise TypeError(f"{name} must be a real scalar (a float in [0, 1]), got {b!r}")
+        if not 0.0 <= float(b) <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {float(b)!r}")
     return optax.linear_schedule(float(beta0), float(beta1), T)
 
 

@@ -502,6 +502,16 @@ def test_beta_schedule():
         per.beta_schedule(0)
     with pytest.raises(ValueError, match="beta0"):
         per.beta_schedule(10, beta0=1.5)
+    # a concrete 0-d array is a scalar like any other (jnp.float32(0.4) was refused as "must be a float in
+    # [0, 1]"); bools, traced values and non-scalars are refused by type
+    assert abs(float(per.beta_schedule(10, jnp.float32(0.5), np.float32(0.9))(5)) - 0.7) < 1e-6
+    with pytest.raises(ValueError, match=r"^beta1 must be in \[0, 1\], got 1.25"):
+        per.beta_schedule(10, beta1=jnp.float32(1.25))
+    for bad in (True, np.bool_(True), jnp.ones((1,)), "0.4"):
+        with pytest.raises(TypeError, match="^beta0 must be a real scalar"):
+            per.beta_schedule(10, beta0=bad)
+    with pytest.raises(TypeError, match="^beta0 must be a real scalar"):
+        jax.jit(lambda b: per.beta_schedule(10, beta0=b)(3))(jnp.float32(0.4))
 
 
 def test_draws_rounding_up_to_the_total_never_hit_a_zero_slot():
