@@ -212,8 +212,8 @@ def cql_penalty(q_values, actions, alpha=1.0):
 
     Returns:
       float32 [...] (no reduction). Always >= 0 (up to rounding); exactly 0 when A = 1. The
-      logsumexp is max-subtracted in float32 (the max is a constant for the gradient), so large Q
-      values do not overflow. Gradient w.r.t. Q: alpha (softmax(Q) - onehot(a_data)).
+      logsumexp is ``jax.nn.logsumexp`` in float32 (max-subtracted), so large Q values do not overflow; a
+      +inf Q of another action gives +inf. Gradient w.r.t. Q: alpha (softmax(Q) - onehot(a_data)).
 
     Source: Kumar, Zhou, Tucker & Levine 2020, "Conservative Q-Learning for Offline RL", eq. (4),
     CQL(H) for discrete actions (as in the authors' QR-DQN/atari CQL code: ``logsumexp(q) - q_data``).
@@ -242,8 +242,8 @@ def cql_penalty(q_values, actions, alpha=1.0):
                                                           and np.asarray(alpha, np.float64) >= 0):
         raise ValueError(f"alpha must be a finite float >= 0, got {float(np.asarray(alpha, np.float64))!r}")
     q = q_values.astype(jnp.float32)
-    m = jax.lax.stop_gradient(jnp.max(q, axis=-1, keepdims=True))
-    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(q - m), axis=-1))
+    # jax.nn.logsumexp: max-subtracted like a hand-written one, and a +inf Q gives lse = +inf (inf - inf gave NaN)
+    lse = jax.nn.logsumexp(q, axis=-1)
     a = actions if jnp.iinfo(actions.dtype).bits >= 32 else actions.astype(jnp.int32)
     a = jnp.where((a >= 0) & (a < q.shape[-1]), a, q.shape[-1]).astype(jnp.int32)  # out of range (also < 0) -> fill
     q_data = jnp.take_along_axis(q, a[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]

@@ -194,6 +194,10 @@ def test_cql_one_action_is_zero_and_large_values_do_not_overflow():
     big = jnp.asarray([[1e30, 1e30 - 1e24, -1e30]], jnp.float32)
     v = np.asarray(jaxfox.cql_penalty(big, jnp.asarray([2], jnp.int32)))
     assert np.isfinite(v).all()
+    # a +inf Q of another action: logsumexp = +inf, so the penalty is +inf (the hand-written max subtraction
+    # computed inf - inf = NaN); -inf Q of the other actions: the penalty is exactly 0 (lse = the data action's Q)
+    q = jnp.asarray([[np.inf, 1.0, 0.0], [-np.inf, 2.5, -np.inf]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jaxfox.cql_penalty(q, jnp.asarray([1, 1], jnp.int32))), [np.inf, 0.0])
 
 
 def test_cql_grad_is_softmax_minus_onehot():
