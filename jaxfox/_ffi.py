@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 
 import jax
 
@@ -132,11 +133,23 @@ def opted_in_names() -> set[str]:
     return {n.strip() for n in os.environ.get(OPT_IN_ENV, "").split(",") if n.strip()}
 
 
+_warned_unknown: set[frozenset] = set()
+
+
 def kernel_opted_in(op: str) -> bool:
-    """True when the opt-in kernel of ``op`` (one of :data:`OPT_IN`) is requested by ``JAXFOX_OPT_IN_KERNELS``."""
+    """True when the opt-in kernel of ``op`` (one of :data:`OPT_IN`) is requested by ``JAXFOX_OPT_IN_KERNELS``.
+
+    Names in ``JAXFOX_OPT_IN_KERNELS`` that are neither in :data:`OPT_IN` nor ``all`` (a misspelling, or an op whose
+    kernel now runs by default) are ignored with a ``UserWarning`` naming them, once per distinct set.
+    """
     if op not in OPT_IN:
         raise ValueError(f"kernel_opted_in: op must be one of {OPT_IN}, got {op!r}")
     names = opted_in_names()
+    unknown = frozenset(names - set(OPT_IN) - {"all"})
+    if unknown and unknown not in _warned_unknown:
+        _warned_unknown.add(unknown)
+        warnings.warn(f"{OPT_IN_ENV} names {sorted(unknown)}, which are not opt-in kernels (ignored); the opt-in "
+                      f"names are {list(OPT_IN)} and 'all'", UserWarning, stacklevel=2)
     return op in names or "all" in names
 
 

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -100,3 +101,22 @@ def test_bench_case_kernel_path_lowers_for_cuda(name, index, monkeypatch):
 # shapes on the H200)
 _XLA_ROWS = ("ema_update", "cast_bf16")
 _XLA_SMALL = {"iql_pair": ("fwd+bwd",), "aux_step": ("iql_pair", "iqn")}
+
+
+def test_opt_in_names_unknown_are_ignored_with_a_warning(monkeypatch):
+    """JAXFOX_OPT_IN_KERNELS decides which opt-in kernels a trace uses: a misspelt name was ignored silently."""
+    from jaxfox import _ffi
+
+    monkeypatch.setattr(_ffi, "_warned_unknown", set())
+    monkeypatch.setenv(_ffi.OPT_IN_ENV, " grn , iqll,")
+    with pytest.warns(UserWarning, match=r"names \['iqll'\], which are not opt-in kernels"):
+        assert _ffi.kernel_opted_in("grn") is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per distinct set of unknown names
+        assert _ffi.kernel_opted_in("iql") is False
+    monkeypatch.setenv(_ffi.OPT_IN_ENV, "all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(_ffi.kernel_opted_in(op) for op in _ffi.OPT_IN)
+    with pytest.raises(ValueError, match="op must be one of"):
+        _ffi.kernel_opted_in("iqll")
