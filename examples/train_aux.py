@@ -1,5 +1,5 @@
 """The auxiliary trainers (IQL value pair, IQN head, attention trainer) on transitions collected by the DQN agent
-on the real daily trading data (issue 5).
+on the real daily trading data.
 
 1. DQN: a :class:`jaxfox.models.branching_c51.BranchingC51` agent (:func:`~jaxfox.models.branching_c51.init_agent`,
    :func:`~jaxfox.models.branching_c51.make_update`: PER, double-DQN categorical loss, EMA target, fused AdamW) is
@@ -12,11 +12,12 @@ on the real daily trading data (issue 5).
 3. Aux training: ``--steps`` steps of :func:`jaxfox.models.aux.make_aux`'s ``aux_step`` (ONE jitted function:
    IQL pair 48 -> 256 -> 128 -> 1 with expectiles 0.7/0.9 (``AuxConfig``'s default ``iql_impl="fused"``: with two
    hidden layers that is the ``"vmap"`` batched-GEMM path, the fused kernel covers one), IQN with quantile Huber
-   loss against an EMA target, attention pool over the window -> linear head regressing the scaled reward), each trainer
-   with its own uniformly sampled minibatch of ``--batch-size`` transitions.
+   loss against an EMA target, attention pool over the window -> linear head regressing the scaled reward), each
+   trainer with its own uniformly sampled minibatch of ``--batch-size`` transitions.
 
 With a GPU, call with ``--concurrent`` to set ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``
-(:func:`jaxfox.enable_concurrent_command_buffers`, before JAX starts) so the trainers overlap.
+(:func:`jaxfox.enable_concurrent_command_buffers`, before JAX starts) so that the trainers can overlap (on the
+H200 they have not so far: the IQN trainer's kernels fill every SM, BENCHMARKS.md).
 
     python examples/train_aux.py                          # ~a few minutes on a CPU
     python examples/train_aux.py --dqn-steps 10 --num-envs 8 --collect-steps 40 --steps 30 \\
@@ -41,19 +42,19 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dqn-steps", type=int, default=500, help="DQN updates before collecting")
-    p.add_argument("--num-envs", type=int, default=64)
+    p.add_argument("--num-envs", type=int, default=64, help="parallel (vmapped) environments")
     p.add_argument("--collect-steps", type=int, default=252, help="env steps per env collected for the aux trainers")
     p.add_argument("--steps", type=int, default=500, help="aux training steps")
     p.add_argument("--batch-size", type=int, default=1024, help="minibatch per trainer")
     p.add_argument("--seq-len", type=int, default=16, help="observation window of the attention trainer")
     p.add_argument("--eps", type=float, default=0.1, help="epsilon of the collecting policy")
-    p.add_argument("--gamma", type=float, default=0.9)
-    p.add_argument("--reward-scale", type=float, default=100.0)
+    p.add_argument("--gamma", type=float, default=0.9, help="discount per trading day")
+    p.add_argument("--reward-scale", type=float, default=100.0, help="reward multiplier (100: percent)")
     p.add_argument("--lr", type=float, default=3e-4, help="aux trainers' learning rate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initialisation, exploration and sampling seed")
     p.add_argument("--concurrent", action="store_true",
                    help="enable CONCURRENT command-buffer scheduling (GPU; must precede JAX's start)")
-    p.add_argument("--out", default="runs/aux")
+    p.add_argument("--out", default="runs/aux", help="folder for metrics.json")
     args = p.parse_args(argv)
     for name in ("dqn_steps", "num_envs", "collect_steps", "steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
@@ -62,6 +63,10 @@ def parse_args(argv=None):
         p.error(f"--eps must be in [0, 1], got {args.eps}")
     if not 0 <= args.gamma < 1:
         p.error(f"--gamma must be in [0, 1), got {args.gamma}")
+    if not (np.isfinite(args.reward_scale) and args.reward_scale > 0):
+        p.error(f"--reward-scale must be a finite number > 0, got {args.reward_scale}")
+    if not (np.isfinite(args.lr) and args.lr >= 0):
+        p.error(f"--lr must be a finite number >= 0, got {args.lr}")
     return args
 
 
@@ -140,7 +145,12 @@ def main(argv=None) -> dict:
     s, o = reset_v(jax.random.split(k_reset, E), tr)
     agent, s, o, dqn_losses = dqn_phase(agent, s, o, k_dqn)
     dqn_losses = np.asarray(dqn_losses)
-    print(f"DQN: {args.dqn_steps} updates, loss {dqn_losses[:10].mean():.3f} -> {dqn_losses[-10:].mean():.3f}")
+    # means over the first and last 10 % of the updates (at least one each), as for the aux losses below: a fixed
+    # 10 made "first" and "last" the same updates when there were 10 or fewer
+    kd = max(1, args.dqn_steps // 10)
+    dqn_loss = [float(dqn_losses[:kd].mean()), float(dqn_losses[-kd:].mean())]
+    print(f"DQN: {args.dqn_steps} updates, loss {dqn_loss[0]:.3f} -> {dqn_loss[1]:.3f} (means of the first and last "
+          f"{kd})")
 
     # 2. Collect with the agent's epsilon-greedy policy, with observation windows and target Q.
     @jax.jit
@@ -201,7 +211,7 @@ def main(argv=None) -> dict:
     first = {k: float(np.mean(v[:m])) for k, v in hist.items()}
     last = {k: float(np.mean(v[-m:])) for k, v in hist.items()}
     metrics = {"first_loss": first, "last_loss": last, "transitions": n, "aux_steps": args.steps,
-               "dqn_loss": [float(dqn_losses[:10].mean()), float(dqn_losses[-10:].mean())],
+               "dqn_loss": dqn_loss,
                "aux_train_seconds": train_s, "wall_seconds": time.perf_counter() - t_start,
                "kernels_available": jaxfox.kernels_available(),
                "concurrent_command_buffers": jaxfox.concurrent_command_buffers_enabled(), "args": vars(args)}

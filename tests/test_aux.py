@@ -209,17 +209,25 @@ def test_train_aux_main_tiny(tmp_path, capsys):
     assert (tmp_path / "metrics.json").exists()
     out = capsys.readouterr().out
     assert "iql" in out and "iqn" in out and "attn" in out
-    with pytest.raises(SystemExit):
-        mod.main(["--steps", "0", "--out", str(tmp_path)])
+    # 10 DQN updates: "first" and "last" are the first and the last update (a fixed 10 averaged all ten twice and
+    # printed "loss 3.340 -> 3.340")
+    assert "DQN: 10 updates" in out and "(means of the first and last 1)" in out
+    assert len(m["dqn_loss"]) == 2 and m["dqn_loss"][0] != m["dqn_loss"][1]
+    for bad in (["--steps", "0"], ["--reward-scale", "-1"], ["--lr", "nan"]):
+        with pytest.raises(SystemExit):
+            mod.main([*bad, "--out", str(tmp_path)])
 
 
 def test_notebook_executes(tmp_path, monkeypatch):
+    import re
+
     from conftest import execute_notebook
 
     _, text = execute_notebook("aux.ipynb", tmp_path, monkeypatch, {"JAXFOX_NB_SMALL": "1"})
     assert "max |grouped - per-group dot|" in text
     assert "aux losses" in text
-    import re
+    # the last cell quotes the newest aux-step paragraph of BENCHMARKS.md (it printed headings without figures)
+    assert re.search(r"Newest aux-step result in BENCHMARKS.md \(H200\):\nAux step \(B=\d+\).* ms", text), text[-2000:]
     m = re.search(r"max \|iqn_head - by hand\| = ([0-9.e+-]+)", text)
     assert m and float(m.group(1)) < 1e-5, text[-2000:]
 
