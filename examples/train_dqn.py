@@ -1,4 +1,4 @@
-"""Branching C51 double DQN with prioritized replay on the real daily trading environment (issue 4).
+"""Branching C51 double DQN with prioritized replay on the real daily trading environment.
 
 Environment: :class:`jaxfox.envs.Trading` (default ``--instruments sp500,nasdaq,wti``: the three daily price
 series ``arch`` ships, train span 2000-2012, test span 2016-2018; ``--instruments sp500,nasdaq,wti,vix`` adds
@@ -42,28 +42,29 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=4000, help="update steps (one env step of all envs each)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initialisation, exploration and replay seed")
     p.add_argument("--out", default="runs/dqn", help="folder for equity.png, loss.png, metrics.json")
     p.add_argument("--num-envs", type=int, default=64, help="parallel (vmapped) environments")
-    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=1024, help="replay batch per update")
     p.add_argument("--capacity", type=int, default=2 ** 17, help="replay capacity (transitions)")
     p.add_argument("--learning-starts", type=int, default=8192, help="random transitions before updates")
     p.add_argument("--chunk", type=int, default=50, help="iterations per jitted scan (progress granularity; the "
                    "last scan runs the remainder when --steps is not a multiple)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
-    p.add_argument("--max-grad-norm", type=float, default=10.0)
-    p.add_argument("--gamma", type=float, default=0.9)
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW decoupled weight decay")
+    p.add_argument("--max-grad-norm", type=float, default=10.0, help="global-norm gradient clip")
+    p.add_argument("--gamma", type=float, default=0.9, help="discount per trading day")
     p.add_argument("--tau", type=float, default=0.005, help="EMA weight of the online params per update")
     p.add_argument("--alpha", type=float, default=0.5, help="PER priority exponent")
     p.add_argument("--beta0", type=float, default=0.4, help="PER IS exponent at step 0 (annealed to 1)")
     p.add_argument("--v-max", type=float, default=25.0, help="support [-v_max, v_max] (reward units: percent)")
     p.add_argument("--reward-scale", type=float, default=100.0, help="reward multiplier (100: percent)")
-    p.add_argument("--eps-start", type=float, default=1.0)
-    p.add_argument("--eps-end", type=float, default=0.05)
+    p.add_argument("--eps-start", type=float, default=1.0, help="epsilon-greedy exploration at step 0")
+    p.add_argument("--eps-end", type=float, default=0.05, help="epsilon after the decay")
     p.add_argument("--eps-frac", type=float, default=0.5, help="fraction of --steps over which epsilon decays")
-    p.add_argument("--episode-len", type=int, default=252)
-    p.add_argument("--cost-bps", type=float, default=5.0)
+    p.add_argument("--episode-len", type=int, default=252, help="trading days per training episode")
+    p.add_argument("--cost-bps", type=float, default=5.0,
+                   help="transaction cost per unit of position change (basis points)")
     p.add_argument("--no-bf16", action="store_true", help="float32 forward (default: bfloat16 weights)")
     p.add_argument("--instruments", default="sp500,nasdaq,wti",
                    help="comma-separated traded instruments, one action branch each (from sp500, nasdaq, wti, "
