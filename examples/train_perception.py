@@ -29,9 +29,16 @@ import time
 import numpy as np
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" except for options whose default depends on --model (their help says it)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    from jaxfox.data.market import FEATURE_NAMES
     from jaxfox.models import DEFAULTS as D  # model/optimizer defaults, shared with jaxfox.bench
     from jaxfox.models.perception import FULL_DEFAULTS as F
 
@@ -57,13 +64,17 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=D["weight_decay"], help="AdamW decoupled weight decay")
     p.add_argument("--input-noise", type=float, default=0.6,
                    help="std of Gaussian noise added to the (z-scored) training inputs of every batch; 0 = off")
-    p.add_argument("--max-features", type=int, default=None, help="use the first k of the 48 features")
+    p.add_argument("--max-features", type=int, default=None,
+                   help=f"use the first k of the {len(FEATURE_NAMES)} features (default: all)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed")
-    p.add_argument("--out", default="runs/perception",
-                   help="folder for curves.png, vsn_weights.png (full model) and metrics.json")
+    p.add_argument("--out", default=None,
+                   help="folder for curves.png, vsn_weights.png (full model) and metrics.json "
+                        "(default: runs/perception, or runs/perception_v0 with --model v0)")
     p.add_argument("--max-train-windows", type=int, default=None,
-                   help="use only the most recent N training windows (quick runs)")
+                   help="use only the most recent N training windows (quick runs; default: all)")
     args = p.parse_args(argv)
+    if args.out is None:  # one folder per model: a v0 run must not sit beside an older full run's vsn_weights.png
+        args.out = "runs/perception" if args.model == "full" else "runs/perception_v0"
     if args.embed_dim is None:
         args.embed_dim = D["embed_dim"] if args.model == "v0" else F["embed_dim"]
     for name, default in full_only.items():  # the v0 model has no VSN or attention pool: refuse, don't ignore
@@ -80,6 +91,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.model == "full" and args.hidden % args.heads:
         p.error(f"--heads ({args.heads}) must divide --hidden ({args.hidden})")
+    if args.max_features is not None and not 1 <= args.max_features <= len(FEATURE_NAMES):
+        p.error(f"--max-features must be in [1, {len(FEATURE_NAMES)}], got {args.max_features}")
     if args.max_train_windows is not None and args.max_train_windows < args.batch_size:
         p.error(f"--max-train-windows must be >= --batch-size ({args.batch_size}), got {args.max_train_windows}")
     return args
@@ -97,18 +110,19 @@ def save_curves(path, history, baselines_val):
     a.plot(ep, history["train_loss"], "o-", label="train (mean over epoch)")
     a.plot(ep, history["val_loss"], "o-", label="validation")
     a.set(xlabel="epoch", ylabel="binary cross-entropy", title="loss")
-    a.legend()
+    # legends below the axes: inside, they covered curves or baseline lines
+    a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     b.plot(ep, history["val_auc"], "o-", label="model (validation)")
     for (name, v), style in zip(baselines_val.items(), (":", "--")):
         if np.isfinite(v):
             note = ", 2014-15 windows: VIX data start in 2014" if name == "trailing_vix" else ""
             b.axhline(v, color="gray", linestyle=style, label=f"{name} (validation{note})")
     b.set(xlabel="epoch", ylabel="ROC AUC", title="validation AUC")
-    b.legend(fontsize=8)
+    b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     for ax in (a, b):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # "tight": the legends below the axes included
     plt.close(fig)
 
 
@@ -129,6 +143,12 @@ def save_weights(path, names, weights, title):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _usage_error(message):
+    """Exits as argparse does for a bad argument (status 2, one line on stderr), for checks that need the data."""
+    print(f"{os.path.basename(sys.argv[0] or 'train_perception.py')}: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv=None) -> dict:
@@ -158,11 +178,17 @@ def main(argv=None) -> dict:
           + ("" if kernels else f" ({reason})"))
 
     t0 = time.perf_counter()
-    data = make_windows(args.window, max_features=args.max_features)
+    try:  # errors that depend on the data (a window longer than the series): a usage error, not a traceback
+        data = make_windows(args.window, max_features=args.max_features)
+    except ValueError as e:
+        _usage_error(f"--window {args.window}: {e}")
     x_train, y_train = data.x_train, data.y_train
     if args.max_train_windows is not None:
         x_train, y_train = x_train[-args.max_train_windows:], y_train[-args.max_train_windows:]
     n, T, m = x_train.shape
+    if n < args.batch_size:
+        _usage_error(f"--batch-size must be <= the {n} training windows of --window {args.window}, "
+                     f"got {args.batch_size}")
     print(f"data: train {x_train.shape}, val {data.x_val.shape}, test {data.x_test.shape} "
           f"([windows, days, features]); positives train/val/test {y_train.mean():.3f}/"
           f"{data.y_val.mean():.3f}/{data.y_test.mean():.3f}; loaded in {time.perf_counter() - t0:.1f}s")

@@ -340,6 +340,30 @@ def test_main_job_full_rejects_bad_arguments(tmp_path):
             tp.parse_args(["--model", "v0", flag, "8"])
 
 
+def test_main_job_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    """Bad values that used to end in a traceback (--max-features 0, a batch larger than the data, a window longer
+    than the series) or be taken silently (--max-features 100 trained on all 48) are usage errors: status 2 and
+    one line naming the option, as argparse's own."""
+    tp = import_main_job()
+    for argv, match in ((["--max-features", "0"], "--max-features must be in [1, 48], got 0"),
+                        (["--max-features", "100"], "--max-features must be in [1, 48], got 100"),
+                        (["--batch-size", "100000"], "--batch-size must be <= the "),
+                        (["--window", "5000"], "--window 5000: window (5000) is longer than the ")):
+        with pytest.raises(SystemExit) as e:
+            tp.main([*argv, "--epochs", "1", "--out", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and match in err[-1] and "Traceback" not in "\n".join(err), err
+    # one output folder per model by default (a v0 run beside a full run's vsn_weights.png misled)
+    assert tp.parse_args([]).out == "runs/perception"
+    assert tp.parse_args(["--model", "v0"]).out == "runs/perception_v0"
+    assert tp.parse_args(["--out", "x"]).out == "x"
+    # --help gives each default once: no "(default: None)" beside the per-model defaults
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "default: None" not in out and "default 2 (v0), 4 (full)" in " ".join(out.split())
+
+
 def test_full_benchmark_step_matches_the_model_loss_and_trains():
     from jaxfox.models import perception
 
