@@ -185,6 +185,37 @@ def test_finished_episode_is_absorbing_and_never_pays_past_its_end(env, raw):
         np.testing.assert_array_equal(np.asarray(r8[i, 3:]), 0.0)
 
 
+def test_reset_to_stays_inside_the_span(env, raw):
+    """reset_to(0, env.test) (a start relative to the span, a plausible slip) ran an "evaluation" episode over every
+    row from 2000 on, paying train-span returns under the test params. A concrete start outside the span's rows is
+    now an error; a traced one is clipped into them, so rewards come from test-span days only."""
+    te0, te1 = env.test_rows
+    for bad in (0, te0 - 1, te1 + 1):
+        with pytest.raises(ValueError, match=rf"^start must be a row of the span \[start_lo, span_end\] = "
+                                             rf"\[{te0}, {te1}\], got {bad}$"):
+            env.reset_to(bad, env.test)
+    with pytest.raises(ValueError, match=r"^start must be a row of the span .* = \[0, 3253\], got -1$"):
+        env.reset_to(-1)
+    with pytest.raises(TypeError, match="^start must be an integer row index"):
+        env.reset_to(10.0)
+    s, _ = env.reset_to(te1, env.test)  # the span's last row: done at once, pays nothing
+    _, _, r, d = env.step(s, jnp.asarray([4, 4, 4], jnp.int32), env.test)
+    assert float(r) == 0.0 and bool(d)
+    a = jnp.asarray([4, 0, 3], jnp.int32)
+
+    @jax.jit
+    def first(start, params):
+        s, _ = env.reset_to(start, params)
+        s, _, r, _ = env.step(s, a, params)
+        return s.t, r
+
+    t, r = first(jnp.int32(0), env.test)
+    c0, c1 = (raw.loc[env.dates[i], list(INSTRUMENTS)].to_numpy() for i in (te0, te0 + 1))
+    pos = np.array([1.0, -1.0, 0.5])
+    assert int(t) == te0 + 1
+    assert float(r) == pytest.approx(float(np.sum(pos * np.log(c1 / c0)) - 5e-4 * 2.5), abs=2e-6, rel=1e-5)
+
+
 def test_bad_inputs(env):
     s, _ = env.reset_to(0)
     with pytest.raises(ValueError, match="action must have shape"):

@@ -112,7 +112,8 @@ class TradingParams(NamedTuple):
       next_returns: [T, D] float32, r[t, i] = log(close[t+1, i] / close[t, i]); 0 on the last row.
       levels: [A] float32, the position of each action index (:data:`LEVELS`).
       pos_cols: [D] int32, observation columns that show the positions (``-1`` entries: positions hidden).
-      start_lo, start_hi: [] int32, the range (inclusive) of random episode starts of :meth:`Trading.reset`.
+      start_lo, start_hi: [] int32, the range (inclusive) of random episode starts of :meth:`Trading.reset`;
+        ``start_lo`` is also the span's first row (no episode starts before it, :meth:`Trading.reset_to` too).
       span_end: [] int32, the last row of the span (an episode never goes past it).
       episode_len: [] int32, steps per random-start episode.
       cost_rate: [] float32, cost per unit of |position change| (5e-4 = 5 bps).
@@ -289,11 +290,28 @@ class Trading:
         return self.reset_to(start, p, end=jnp.minimum(start + p.episode_len, p.span_end))
 
     def reset_to(self, start, params: TradingParams | None = None, end=None):
-        """Deterministic start at row ``start`` ([] int), flat positions, done on reaching row ``end``
-        (default, and at most: the span end ``params.span_end``; a later ``end`` is clamped to it, so an
-        episode never earns a return from past its span). Returns (TradingState, obs [48] float32)."""
+        """Deterministic start at row ``start`` ([] int, a row of the span: ``params.start_lo`` (its first row)
+        <= start <= ``params.span_end``; rows are absolute, e.g. ``env.test_rows[0]`` for the test span), flat
+        positions, done on reaching row ``end`` (default, and at most: the span end ``params.span_end``; a later
+        ``end`` is clamped to it, so an episode never earns a return from past its span, nor, with ``start``
+        checked, from before it). Returns (TradingState, obs [48] float32).
+
+        Raises:
+          ValueError: a concrete (not traced) ``start`` outside the span's rows (traced values are clipped into
+            them), or ``start`` not a scalar.
+          TypeError: ``start`` is not an integer.
+        """
         p = self._p(params)
-        start = jnp.asarray(start, jnp.int32)
+        start = jnp.asarray(start)
+        if start.shape != ():
+            raise ValueError(f"start must be a scalar row index (shape []), got shape {tuple(start.shape)}")
+        if not jnp.issubdtype(start.dtype, jnp.integer):
+            raise TypeError(f"start must be an integer row index, got {start.dtype}")
+        if not any(isinstance(v, jax.core.Tracer) for v in (start, p.start_lo, p.span_end)):
+            lo, hi, s = int(p.start_lo), int(p.span_end), int(start)
+            if not lo <= s <= hi:  # was: an episode over rows of other spans (e.g. reset_to(0, env.test))
+                raise ValueError(f"start must be a row of the span [start_lo, span_end] = [{lo}, {hi}], got {s}")
+        start = jnp.clip(start, p.start_lo, p.span_end).astype(jnp.int32)
         end = p.span_end if end is None else jnp.minimum(jnp.asarray(end, jnp.int32), p.span_end)
         pos = jnp.zeros((p.next_returns.shape[-1],), jnp.float32)
         state = TradingState(t=start, end=end, positions=pos)
