@@ -145,3 +145,26 @@ def test_baselines_informative(w):
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         market.make_windows(**kwargs)
+
+
+def test_unsorted_or_undated_prices_are_refused():
+    """build_features / target read row order as time order. Reversed rows ran silently and every rolling feature
+    of a day then came from the LATER days (look-ahead), the label from the previous day; a RangeIndex raised an
+    AttributeError naming no argument, a missing sp500_close a bare KeyError."""
+    p = market.load_prices()
+    # sorted input: day t's 5-day mean |r| uses the returns of days t-4..t (NumPy); the refused orders below made
+    # it (and every rolling feature) read other days
+    r = np.diff(np.log(p["sp500_close"].to_numpy()))  # r[i] = log(c[i+1] / c[i])
+    t = 1000
+    assert market.build_features(p)["sp500_absret_mean5"].iloc[t] == pytest.approx(np.abs(r[t - 5:t]).mean(), rel=1e-12)
+    for bad in (p.iloc[::-1], pd.concat([p.iloc[:10], p.iloc[9:]]), p.sample(frac=1.0, random_state=0)):
+        with pytest.raises(ValueError, match="^prices must be sorted by date with no duplicate dates"):
+            market.build_features(bad)
+        with pytest.raises(ValueError, match="^prices must be sorted by date with no duplicate dates"):
+            market.target(bad)
+    with pytest.raises(ValueError, match="^prices must have a DatetimeIndex of trading dates, got RangeIndex"):
+        market.build_features(p.reset_index(drop=True))
+    with pytest.raises(ValueError, match=r"^prices is missing columns \['sp500_close'\]"):
+        market.target(p.drop(columns="sp500_close"))
+    with pytest.raises(ValueError, match="^prices must be a pandas DataFrame"):
+        market.target(p["sp500_close"])

@@ -125,6 +125,20 @@ def _equity_features(p: pd.DataFrame, inst: str) -> dict[str, pd.Series]:
     return {f"{inst}_{k}": s for k, s in f.items()}
 
 
+def _check_prices(prices, need) -> None:
+    """ValueError naming ``prices`` unless it is a DataFrame with the columns ``need`` and a strictly increasing
+    DatetimeIndex: the rolling windows, lags and next-day shifts read row order as time order."""
+    if not isinstance(prices, pd.DataFrame):
+        raise ValueError(f"prices must be a pandas DataFrame (load_prices()), got {type(prices).__name__}")
+    if missing := [c for c in need if c not in prices.columns]:
+        raise ValueError(f"prices is missing columns {missing}")
+    if not isinstance(prices.index, pd.DatetimeIndex):
+        raise ValueError(f"prices must have a DatetimeIndex of trading dates, got {type(prices.index).__name__}")
+    if not (prices.index.is_monotonic_increasing and prices.index.is_unique):
+        raise ValueError("prices must be sorted by date with no duplicate dates (strictly increasing index): row "
+                         "order is time order for the rolling windows, lags and next-day label")
+
+
 def build_features(prices: pd.DataFrame) -> pd.DataFrame:
     """Causal per-day features (see :data:`FEATURE_NAMES` for names and units) from :func:`load_prices` output.
 
@@ -140,11 +154,11 @@ def build_features(prices: pd.DataFrame) -> pd.DataFrame:
       prices, so rows ``0..251`` have NaNs); later rows are finite.
 
     Raises:
-      ValueError: if ``prices`` lacks a required column.
+      ValueError: if ``prices`` lacks a required column, or its index is not a strictly increasing (sorted,
+        duplicate-free) ``DatetimeIndex`` (rolling windows over unsorted rows would look ahead).
     """
     need = [f"{i}_{k}" for i in _EQUITIES for k in ("open", "high", "low", "close", "volume")] + ["wti_close"]
-    if missing := [c for c in need if c not in prices.columns]:
-        raise ValueError(f"prices is missing columns {missing}")
+    _check_prices(prices, need)
     f = _equity_features(prices, "sp500") | _equity_features(prices, "nasdaq")
     rets = np.log(prices[["sp500_close", "nasdaq_close", "wti_close"]]).diff()
     w = rets["wti_close"]
@@ -172,7 +186,11 @@ def target(prices: pd.DataFrame) -> pd.Series:
     Returns:
       float64 Series ``[D days]`` named ``target``, same index as ``prices``. NaN where undefined: the first
       252 days (``r_0`` does not exist, so the first full 252-return window ends at day 252) and the last day.
+
+    Raises:
+      ValueError: ``prices`` lacks ``sp500_close`` or its index is not a strictly increasing ``DatetimeIndex``.
     """
+    _check_prices(prices, ["sp500_close"])
     a = np.log(prices["sp500_close"]).diff().abs()
     med = a.rolling(_MEDIAN_DAYS).median()
     nxt = a.shift(-1)
