@@ -262,6 +262,8 @@ class FusedAdamW(optax.GradientTransformation):
         operation) and bitwise repeatable. The kernel writes params, mu and nu in place (aliased outputs):
         donate them (``jax.jit(..., donate_argnums=...)``) or carry them through a ``lax.scan`` /
         ``fori_loop``, or XLA copies each buffer before the kernel runs (8 more bytes per parameter each).
+        The kernel path is not differentiable (no JVP for the FFI call): to differentiate through an optimizer step
+        (meta-learning), use ``update`` and ``optax.apply_updates``, which are plain JAX on every platform.
 
         Args:
           grads: gradients, the structure, shapes and float32 dtype of ``params``.
