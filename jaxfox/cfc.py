@@ -161,7 +161,8 @@ def _params_input_size(params, mode):
 def _check_config(params, input_size, mode) -> _Config:
     _check_mode(mode)
     if not isinstance(params, dict) or any(k not in params for k in ("backbone", "heads_w", "heads_b")):
-        raise ValueError("params must be the dict returned by cfc_init (keys 'backbone', 'heads_w', 'heads_b')")
+        raise ValueError("params must be the dict returned by cfc_init (keys 'backbone', 'heads_w', 'heads_b'), got "
+                         f"{sorted(map(str, params)) if isinstance(params, dict) else type(params).__name__}")
     backbone = params["backbone"]
     if not isinstance(backbone, (list, tuple)) or not all(
             isinstance(layer, dict) and "w" in layer and "b" in layer for layer in backbone):
@@ -170,6 +171,10 @@ def _check_config(params, input_size, mode) -> _Config:
     if mode != "pure" and ("w_tau" in params or "A" in params):
         raise ValueError(f"params has the keys 'w_tau' and 'A' of mode 'pure' (made by cfc_init(mode='pure')), "
                          f"but mode is {mode!r}")
+    if mode == "pure":  # before the shapes: a default-mode heads_w [K, 4H] read as pure's [K, H'] misreports them
+        for k in ("w_tau", "A"):
+            if k not in params:
+                raise ValueError(f"mode 'pure' needs params[{k!r}] (create params with cfc_init(mode='pure'))")
     n_heads = 1 if mode == "pure" else 4
     hw = params["heads_w"]
     _check_array("params['heads_w']", hw, (None, None))
@@ -191,8 +196,6 @@ def _check_config(params, input_size, mode) -> _Config:
     _check_array("params['heads_b']", params["heads_b"], (n_heads * H,))
     if mode == "pure":
         for k in ("w_tau", "A"):
-            if k not in params:
-                raise ValueError(f"mode 'pure' needs params[{k!r}] (create params with cfc_init(mode='pure'))")
             _check_array(f"params[{k!r}]", params[k], (H,))
     return _Config(I, H, U if backbone else 0, len(backbone), mode)
 
@@ -344,17 +347,26 @@ def _scan_dispatch(cfg, params, xs, ts, h0):
 
 
 def _prepare_ts(ts, B, T):
-    """Broadcasts ts (scalar, [B] or [B, T]) to [B, T] float32; rejects negative concrete values."""
+    """Broadcasts ts (scalar, [B] or [B, T]) to [B, T] float32; rejects negative, NaN and infinite concrete values
+    (finiteness checked on the float32 values the op uses: a float64 1e39 is inf there)."""
     if isinstance(ts, (int, float, np.integer, np.floating)) and not isinstance(ts, bool):
-        ts = np.asarray(ts, np.float32)
+        with np.errstate(over="ignore"):
+            ts = np.asarray(ts, np.float32)
     if not hasattr(ts, "shape") or not jnp.issubdtype(ts.dtype, jnp.floating):
         raise TypeError(f"ts must be a float scalar or float array, got {type(ts).__name__} "
                         f"{getattr(ts, 'dtype', '')}")
     if ts.shape not in ((), (B,), (B, T)):
         raise ValueError(f"ts must be a scalar, [B]={B} or [B, T]=[{B}, {T}], got shape {tuple(ts.shape)}")
     concrete = not isinstance(ts, jax.core.Tracer)
-    if concrete and not bool(np.all(np.asarray(ts) >= 0)):
-        raise ValueError("ts (elapsed time per step) must be >= 0; got a negative or NaN value")
+    if concrete:
+        if not bool(np.all(np.asarray(ts) >= 0)):
+            raise ValueError("ts (elapsed time per step) must be >= 0; got a negative or NaN value")
+        with np.errstate(over="ignore"):
+            values = np.asarray(ts).astype(np.float32)
+        if not bool(np.all(np.isfinite(values))):
+            # the forward would be finite, but 0 * inf in the derivatives of the gate (default, no_gate) or of
+            # exp(-ts ...) (pure) makes every parameter gradient of the batch NaN
+            raise ValueError("ts (elapsed time per step) must be finite (as float32); got an infinite value")
     ts = jnp.asarray(ts, jnp.float32)
     if ts.ndim == 1:
         ts = ts[:, None]
@@ -368,7 +380,9 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
       params: from :func:`cfc_init` (same ``mode``).
       xs: [B, T, I] float32, batch-major (ncps ``batch_first=True``).
       ts: elapsed time of each step in bars: a scalar, [B] (one per sample) or [B, T] (per step).
-        Must be >= 0 (0 is valid; NaN is not). Under ``jit`` a negative or NaN traced value cannot raise:
+        Must be >= 0 and finite as float32 (0 is valid; NaN and inf are not: with an infinite ts the outputs are
+        finite but the gradients of every parameter are NaN). Under ``jit`` a negative, NaN or inf traced value
+        cannot raise (an inf one gives those NaN gradients):
         a negative one makes that step's output NaN, but the recurrence carries on from the state computed with
         the negative value, so later steps are not those of any valid input (in mode "pure", exp(-ts ...) overflows
         for a large negative ts and they become NaN too); a NaN one makes the sample's state NaN from that step on.
@@ -391,7 +405,7 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
     Raises:
       TypeError: an argument has the wrong dtype (float32 expected).
       ValueError: wrong shape or rank (the message names the argument), unknown mode,
-        params that do not match the mode, or a negative or NaN concrete ts.
+        params that do not match the mode, or a negative, NaN or infinite concrete ts.
     """
     if not hasattr(xs, "shape"):
         raise TypeError(f"xs must be an array, got {type(xs).__name__}")

@@ -153,6 +153,33 @@ def test_nan_concrete_ts_raises(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_infinite_concrete_ts_raises(mode):
+    """An infinite elapsed time gave a finite forward but 0 * inf in the derivatives of the gate (of exp(-ts ...) in
+    mode "pure"), so every parameter gradient of the whole batch was NaN. A concrete inf, also a float64 value beyond
+    float32's range (the op's ts is float32), raises; the largest finite float32 ts still runs, matches the float64
+    oracle and has finite gradients."""
+    params, xs, ts, h0 = _setup(mode, 1, seed=13)
+    xs, h0 = jnp.asarray(xs), jnp.asarray(h0)
+    bad = ts.copy()
+    bad[1, 2] = np.inf
+    big64 = ts.astype(np.float64)
+    big64[0, 3] = 1e39
+    for t in (float("inf"), np.float32(np.inf), 1e39, bad, jnp.asarray(bad), big64,
+              np.array([1.0, np.inf, 0.5], np.float32)):
+        with pytest.raises(ValueError, match="ts .*finite"):
+            cfc_scan(params, xs, t, h0, mode=mode)
+    with pytest.raises(ValueError, match="ts .*finite"):
+        cfc_cell(params, h0, xs[:, 0], float("inf"), mode=mode)
+    top = ts.copy()
+    top[1, 2] = np.finfo(np.float32).max
+    with np.errstate(over="ignore"):
+        want = np_cfc_scan(params, xs, top, h0, mode)
+    _assert_close_f64(cfc_scan(params, xs, top, h0, mode=mode), want)
+    grads = jax.grad(lambda p: jnp.sum(cfc_scan(p, xs, top, h0, mode=mode)))(params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_negative_traced_ts_gives_nan_in_those_steps_only(mode):
     params, xs, ts, h0 = _setup(mode, 1, seed=11)
     ts = ts.copy()
@@ -306,6 +333,24 @@ def test_params_mode_mismatch(L):
 
 
 @pytest.mark.parametrize("L", LAYERS)
+def test_default_params_in_mode_pure_name_the_missing_pure_parameters(L):
+    """Params of mode "default"/"no_gate" called with mode "pure": the error names the missing w_tau (it described
+    the shapes pure params of hidden width 4 H would have, e.g. "params['backbone'][0]['w'] must have shape
+    [I + 4H, ?]")."""
+    xs = jnp.zeros((2, 3, 5))
+    for init_mode in ("default", "no_gate"):
+        params = cfc_init(jax.random.key(0), 5, 7, backbone_units=9, backbone_layers=L, mode=init_mode)
+        with pytest.raises(ValueError, match=r"^mode 'pure' needs params\['w_tau'\]"):
+            cfc_scan(params, xs, mode="pure")
+        with pytest.raises(ValueError, match=r"^mode 'pure' needs params\['w_tau'\]"):
+            cfc_cell(params, jnp.zeros((2, 7)), xs[:, 0], mode="pure")
+    params = cfc_init(jax.random.key(0), 5, 7, backbone_units=9, backbone_layers=L, mode="pure")
+    del params["A"]
+    with pytest.raises(ValueError, match=r"^mode 'pure' needs params\['A'\]"):
+        cfc_scan(params, xs, mode="pure")
+
+
+@pytest.mark.parametrize("L", LAYERS)
 @pytest.mark.parametrize("mode", MODES)
 def test_input_width_error_names_the_input(L, mode):
     params = cfc_init(jax.random.key(0), 5, 8, backbone_units=9, backbone_layers=L, mode=mode)
@@ -325,6 +370,13 @@ def test_bad_params():
         cfc_scan({k: v for k, v in params.items() if k != "heads_w"}, xs, mode="pure")
     with pytest.raises(ValueError, match="params"):
         cfc_scan([params], xs, mode="pure")
+    # the message gives what was passed: a Mapping that is not a dict (flax FrozenDict, nnx.State) has the keys
+    import types
+
+    with pytest.raises(ValueError, match=r"^params must be the dict returned by cfc_init .*, got mappingproxy$"):
+        cfc_scan(types.MappingProxyType(params), xs, mode="pure")
+    with pytest.raises(ValueError, match=r"^params must be .*, got \['A', 'backbone', 'heads_b', 'w_tau'\]$"):
+        cfc_scan({k: v for k, v in params.items() if k != "heads_w"}, xs, mode="pure")
     with pytest.raises(ValueError, match=r"params\['A'\]"):
         cfc_scan({**params, "A": params["A"][:-1]}, xs, mode="pure")
     with pytest.raises(TypeError, match=r"params\['heads_w'\]"):
