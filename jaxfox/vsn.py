@@ -86,7 +86,8 @@ def vsn_init(key, num_vars, var_size, hidden_size, output_size, *, context_size=
 def _vsn_sizes(params):
     """Validates VSN params; returns (m, d, H, O, C)."""
     if not isinstance(params, dict) or "selection" not in params or "variables" not in params:
-        raise ValueError("params must be the dict returned by vsn_init (keys 'selection', 'variables')")
+        raise ValueError("params must be the dict returned by vsn_init (keys 'selection', 'variables'), got "
+                         f"{sorted(map(str, params)) if isinstance(params, dict) else type(params).__name__}")
     var = params["variables"]
     if not isinstance(var, dict) or "w2" not in var or not hasattr(var["w2"], "shape") or len(var["w2"].shape) != 3:
         raise ValueError("params['variables'] must hold the stacked per-variable GRNs of vsn_init "

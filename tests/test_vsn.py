@@ -187,6 +187,11 @@ def test_errors():
     _bad(lambda: vsn(p, xs[..., :1], c), ValueError, "xs", "[..., 3, 2]")
     _bad(lambda: vsn(p, jnp.ones((2,)), c), ValueError, "xs")
     _bad(lambda: vsn(p, xs), ValueError, "context", "required")
+    # the message gives what was passed: a Mapping that is not a dict (flax FrozenDict, nnx.State) has the keys
+    import types
+
+    _bad(lambda: vsn(types.MappingProxyType(p), xs, c), ValueError, "params", "vsn_init", "got mappingproxy")
+    _bad(lambda: vsn({"selection": p["selection"]}, xs, c), ValueError, "params", "got ['selection']")
     _bad(lambda: vsn(p, xs, c[:, :1]), ValueError, "context", "[..., 2]")
     _bad(lambda: vsn(p, xs, jnp.ones((3, C))), ValueError, "context")
     q = random_vsn_params(m, d, H, O)
