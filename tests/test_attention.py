@@ -645,6 +645,28 @@ def test_rows_beyond_the_shared_memory_run_the_reference(monkeypatch):
     assert "jaxfox_attention_pool_fwd" in text
 
 
+def test_default_kernel_threshold_without_opt_in(monkeypatch):
+    """Without JAXFOX_OPT_IN_KERNELS the kernels run from _KERNEL_MIN_ROWS = 16384 rows B T on (where the H200
+    measured them faster than XLA) and the reference below: the default rule, not the opt-in, decides."""
+    import jaxfox._ffi
+    import jaxfox.attention as attn_mod
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
+    assert attn_mod._KERNEL_MIN_ROWS == 16384
+    params = random_params(8, 2)
+
+    def lowered(B, T):
+        hs = jnp.zeros((B, T, 8), jnp.float32)
+        return jax.jit(lambda p, h: attention_pool(p, h, num_heads=2)[0]).trace(params, hs).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    assert "jaxfox_attention_pool_fwd" in lowered(256, 64)       # 16384 rows
+    assert "jaxfox_attention_pool_fwd" in lowered(1024, 16)      # the aux trainer's T, 16384 rows
+    assert "jaxfox_attention_pool" not in lowered(255, 64)       # 16320 rows
+    assert "jaxfox_attention_pool" not in lowered(32, 64)        # the main job's 2048 rows
+
+
 def test_no_steps_without_a_mask_gives_zero_like_an_all_false_mask():
     """T = 0 and mask=None: no sample has a valid step, so pooled is 0 (the docstring's rule, and what the
     float64 oracle and an all-False [B, 0] mask give), not b_o."""
