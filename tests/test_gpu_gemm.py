@@ -175,6 +175,8 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
     for prec in ("highest", "tensorfloat32"):
         with jax.default_matmul_precision(prec):
             f = jax.jit(step)
+            text = f.lower(xs, ws, bs, cots).compile().as_text()
+            assert "jaxfox_grouped_gemm" in text and "jaxfox_grouped_wgrad" in text, "kernel path not taken"
             for run in range(2):
                 leaves = jax.tree.leaves(jax.device_get(f(xs, ws, bs, cots)))
                 for i, leaf in enumerate(leaves):
