@@ -143,7 +143,7 @@ def test_bitwise_deterministic_over_runs():
     first = run_kernel(inp, cot)
     f = jax.jit(_fn())
     args = [jnp.asarray(inp[k]) for k in ORDER] + [jnp.asarray(cot)]
-    for _ in range(5):
+    for _ in range(9):  # 10 runs in all, as the issue asks
         again = jax.device_get(f(*args))
         for x, y in zip(first, again):
             assert np.array_equal(x, y)

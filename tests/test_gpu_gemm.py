@@ -152,7 +152,7 @@ def test_deterministic_bitwise():
     args = _groups([(16384, 256, 128), (3000, 7, 9)], seed=9)
     f = jax.jit(lambda *a: _fwd_bwd(*a))
     first = jax.device_get(f(*args))
-    for _ in range(3):
+    for _ in range(9):  # 10 runs in all, as the issue asks
         again = jax.device_get(f(*args))
         for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
             assert np.array_equal(a, b)

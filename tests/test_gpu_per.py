@@ -168,12 +168,12 @@ def test_kernels_are_in_the_program_and_deterministic():
     f = jax.jit(lambda s, k: per.sample(s, k, 1024, alpha=0.6, beta=0.4))
     assert "jaxfox_per_sample" in f.lower(s, jax.random.key(0)).compile().as_text()
     first = jax.device_get(f(s, jax.random.key(0)))
-    for _ in range(5):
+    for _ in range(9):  # 10 runs in all, as the issue asks
         again = jax.device_get(f(s, jax.random.key(0)))
         assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
     g = jax.jit(per.prefix_sum)
     c0 = np.asarray(g(jnp.asarray(p)))
-    for _ in range(3):
+    for _ in range(9):
         assert np.array_equal(c0, np.asarray(g(jnp.asarray(p))))
 
 
