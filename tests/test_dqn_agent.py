@@ -15,8 +15,8 @@ from flax import nnx
 
 import jaxfox
 from jaxfox import optim, per
-from jaxfox.models.branching_c51 import (AgentState, BranchingC51, Transition, batch_loss, forward, init_agent,
-                                         make_update, support)
+from jaxfox.models.branching_c51 import (AgentState, BranchingC51, Transition, batch_loss, epsilon_greedy, forward,
+                                         greedy_actions, init_agent, make_update, support)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -321,6 +321,69 @@ def test_update_step_matches_independent_float64_oracle():
         want[idx] = loss_b + eps_p
         np.testing.assert_allclose(np.asarray(new.buffer.priorities), want, rtol=2e-6)
         np.testing.assert_allclose(float(new.buffer.max_priority), max(1.0, prio0.max(), want.max()), rtol=2e-6)
+
+
+def test_greedy_and_epsilon_greedy_match_numpy_and_refuse_bad_input():
+    """greedy_actions against a float64 NumPy argmax of Q = sum_i z_i softmax(logits)_i (ties -> first index);
+    epsilon_greedy: epsilon 0 is greedy, epsilon 1 uniform in every branch, the exploring draw independent per
+    branch, same key -> same actions. Bad inputs used to fail deep inside (obs [B, 47]: a dot_general TypeError;
+    obs [48]: a reshape error; dan not matching the params: a reshape error; a length-1 z broadcast silently to
+    Q = z for every action, so the greedy action was always 0; epsilon 1.5, -0.1 or NaN ran as 1, 0 and 0)."""
+    D, A, N = 3, 5, 11
+    state, _, dan = init_agent(jax.random.key(0), num_branches=D, num_actions=A, num_atoms=N, capacity=16)
+    z = support(N, v_max=5.0)
+    rng = np.random.default_rng(3)
+    obs = jnp.asarray(rng.standard_normal((4000, 48)), jnp.float32)
+    p = {k: np.asarray(v) for k, v in state.online.tree.items()}
+    logits = _np_forward(p, np.asarray(obs, np.float64), D, A, N)[2]
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    q = (e / e.sum(-1, keepdims=True) * np.asarray(z, np.float64)).sum(-1)                      # [B, D, A]
+    srt = np.sort(q, axis=-1)
+    clear = srt[..., -1] - srt[..., -2] > 1e-4                                                   # no near-ties
+    assert clear.mean() > 0.95
+    g = np.asarray(greedy_actions(state.online, obs, dan, z, bf16=False))
+    assert g.shape == (4000, D) and g.dtype == np.int32
+    np.testing.assert_array_equal(g[clear], np.argmax(q, -1)[clear])
+    # an exact tie between actions 1 and 3 (advantage head = its bias, the same for both) -> action 1 everywhere
+    tie = dict(p, wa=np.zeros_like(p["wa"]), ba=np.zeros((D, A, N), np.float32))
+    tie["ba"][:, 1, -1] = tie["ba"][:, 3, -1] = 2.0                                              # mass on z = +5
+    tie["ba"] = tie["ba"].reshape(-1)
+    tie_fp = jaxfox.FlatParams.from_tree({k: jnp.asarray(v) for k, v in tie.items()})
+    for bf16 in (False, True):
+        np.testing.assert_array_equal(np.asarray(greedy_actions(tie_fp, obs[:64], dan, z, bf16=bf16)), 1)
+
+    gb = np.asarray(greedy_actions(state.online, obs, dan, z))                                   # bf16 forward
+    eg = lambda key, eps: np.asarray(epsilon_greedy(key, state.online, obs, dan, z, eps))  # noqa: E731
+    np.testing.assert_array_equal(eg(jax.random.key(1), 0.0), gb)
+    a1 = eg(jax.random.key(1), 1.0)
+    for d in range(D):  # uniform over the A actions in each branch: counts within 5 sigma of 4000 / A
+        c = np.bincount(a1[:, d], minlength=A)
+        assert np.all(np.abs(c - 800) < 5 * np.sqrt(4000 * 0.2 * 0.8)), (d, c)
+    a = eg(jax.random.key(2), 0.5)
+    np.testing.assert_array_equal(a, eg(jax.random.key(2), 0.5))
+    assert not np.array_equal(a, eg(jax.random.key(3), 0.5))
+    # P(a_d = greedy_d) = 1 - eps + eps / A = 0.6 per branch; all three greedy: 0.6^3 = 0.216 when the branches
+    # explore independently (0.5 + 0.5 / 125 = 0.504 with one shared draw). 5-sigma bounds.
+    same = a == gb
+    assert np.all(np.abs(same.mean(0) - 0.6) < 5 * np.sqrt(0.24 / 4000)), same.mean(0)
+    assert abs(same.all(1).mean() - 0.216) < 5 * np.sqrt(0.216 * 0.784 / 4000), same.all(1).mean()
+    # a traced epsilon (a schedule under jit) is not checked, and gives the same actions as the concrete one
+    jit_eg = jax.jit(lambda k, fp, o, e: epsilon_greedy(k, fp, o, dan, z, e))
+    np.testing.assert_array_equal(np.asarray(jit_eg(jax.random.key(2), state.online, obs, 0.5)), a)
+
+    with pytest.raises(ValueError, match=r"^obs must have shape \[B, F\] = \[\?, 48\]"):
+        greedy_actions(state.online, obs[:, :47], dan, z)
+    with pytest.raises(ValueError, match=r"^obs must have shape \[B, F\]"):
+        forward(state.online, obs[0], dan)
+    for bad in ((3, 5, 10), (3, 4, 11), (3, 5), (15, 1, 11.0)):
+        with pytest.raises(ValueError, match=r"^dan must be \(D, A, N\)"):
+            forward(state.online, obs[:4], bad)
+    for bad_z in (z[:1], z[:-1], z[None]):
+        with pytest.raises(ValueError, match=r"^z must have shape \[N\] = \[11\]"):
+            greedy_actions(state.online, obs[:4], dan, bad_z)
+    for eps in (1.5, -0.1, float("nan"), True, np.ones(2)):
+        with pytest.raises(ValueError, match="^epsilon must be"):
+            epsilon_greedy(jax.random.key(0), state.online, obs[:4], dan, z, eps)
 
 
 def test_bad_sizes_support_and_update_arguments_raise_naming_them():

@@ -108,10 +108,23 @@ def apply(params, x, dan):
 
     x [B, F] is cast to the params' dtype; trunk in that dtype; heads accumulate in float32.
     Returns logits [B, D, A, N] float32.
+
+    Raises:
+      ValueError: x is not [B, F] with F the rows of params["w1"]; dan is not three ints (D, A, N) with
+        D * A * N the columns of params["wa"] and N those of params["wv"].
     """
-    D, A, N = dan
     g = lambda name: params[name][...] if hasattr(params[name], "__getitem__") else params[name]  # noqa: E731
     w1, b1, w2, b2, wv, bv, wa, ba = (jnp.asarray(g(n)) for n in ("w1", "b1", "w2", "b2", "wv", "bv", "wa", "ba"))
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 2 or shape[1] != w1.shape[0]:
+        raise ValueError(f"obs must have shape [B, F] = [?, {w1.shape[0]}] (F from the params), got "
+                         f"{shape if hasattr(x, 'shape') else type(x).__name__}")
+    if not (isinstance(dan, (tuple, list)) and len(dan) == 3 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in dan)
+            and dan[0] * dan[1] * dan[2] == wa.shape[-1] and dan[2] == wv.shape[-1]):
+        raise ValueError(f"dan must be (D, A, N), ints with D * A * N = {wa.shape[-1]} and N = {wv.shape[-1]} "
+                         f"(the params' advantage and value heads), got {dan!r}")
+    D, A, N = (int(v) for v in dan)
     dt = w1.dtype
     h = jax.nn.relu(jnp.dot(x.astype(dt), w1) + b1)
     h = jax.nn.relu(jnp.dot(h, w2) + b2)
@@ -168,23 +181,48 @@ def forward(fp: jaxfox.FlatParams, obs, dan, *, bf16: bool = True):
 
     bf16=True: the forward weights are ``cast_bf16(fp.flat)`` (straight-through gradient to the float32
     master buffer); bf16=False: float32 throughout.
+
+    Raises:
+      ValueError: obs is not [B, F] or dan does not match the params (:func:`apply`).
     """
     tree = _bf16_tree(fp) if bf16 else fp.tree
     return apply(tree, obs, dan)
 
 
 def q_values(logits, z):
-    """Q [B, D, A] float32 = sum_i z_i softmax(logits)_i."""
+    """Q [B, D, A] float32 = sum_i z_i softmax(logits)_i.
+
+    Raises:
+      ValueError: z is not [N] with N = logits' last axis (a length-1 z would broadcast to the same Q for
+        every action).
+    """
+    n = logits.shape[-1] if len(logits.shape) else None
+    if tuple(np.shape(z)) != (n,):
+        raise ValueError(f"z must have shape [N] = [{n}] (N from the logits' last axis), got {tuple(np.shape(z))}")
     return jnp.sum(jax.nn.softmax(logits.astype(jnp.float32), axis=-1) * z, axis=-1)
 
 
 def greedy_actions(fp, obs, dan, z, *, bf16=True):
-    """argmax_a Q per branch: [B, D] int32 (ties -> first index)."""
+    """argmax_a Q per branch: [B, D] int32 (ties -> first index).
+
+    Raises:
+      ValueError: obs is not [B, F], dan does not match the params (:func:`apply`), z is not [N].
+    """
     return jnp.argmax(q_values(forward(fp, obs, dan, bf16=bf16), z), axis=-1).astype(jnp.int32)
 
 
 def epsilon_greedy(key, fp, obs, dan, z, epsilon, *, bf16=True):
-    """Per branch independently: a uniform random action with probability epsilon, else greedy. [B, D] int32."""
+    """Per branch independently: a uniform random action with probability epsilon, else greedy. [B, D] int32.
+
+    Raises:
+      ValueError: a concrete epsilon is not a real scalar in [0, 1] (a traced one, e.g. a schedule under jit,
+        is not checked); as :func:`greedy_actions`.
+    """
+    if not isinstance(epsilon, jax.core.Tracer):
+        e = np.asarray(epsilon)
+        if (isinstance(epsilon, bool) or e.shape != () or not np.issubdtype(e.dtype, np.number)
+                or np.iscomplexobj(e) or not 0 <= e <= 1):
+            raise ValueError(f"epsilon must be a real scalar in [0, 1], got {epsilon!r}")
     greedy = greedy_actions(fp, obs, dan, z, bf16=bf16)
     k1, k2 = jax.random.split(key)
     rand = jax.random.randint(k1, greedy.shape, 0, dan[1], dtype=jnp.int32)
