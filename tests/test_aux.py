@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfox.models.aux import (AuxConfig, iql_init, iql_values, iqn_init, iqn_quantiles, make_aux,
-                               synthetic_batch)
+from jaxfox.models.aux import (AuxConfig, attention_predict, iql_init, iql_values, iqn_init, iqn_quantiles,
+                               make_aux, synthetic_batch)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -189,6 +189,96 @@ def test_config_scalar_fields_and_numpy_expectiles():
     t = np.asarray(taus, np.float64)
     np.testing.assert_allclose(np.asarray(info["iql_per_net"]), (np.where(u < 0, 1 - t, t) * u ** 2).mean(0),
                                rtol=1e-5)
+
+
+def test_iqn_step_loss_is_quantile_huber_of_numpy():
+    """One iqn_step against float64 NumPy written from IQN (Dabney et al. 2018, eq. 3, 4, 10): the head on the
+    online params at tau ~ U[0, 1), targets r + discount Z_target(s', tau') from the TARGET params (made to differ
+    from the online ones), rho = |tau_i - 1{delta_ij < 0}| L_kappa(delta_ij) / kappa with delta_ij = y_j - z_i
+    (an online quantile below its target is penalised by tau), summed over i, averaged over j and the batch.
+    The taus are those of the step's key (split into the next key and the draw, the draw into tau and tau')."""
+    cfg = SMALL._replace(n_target_quantiles=5, kappa=0.7)
+    tr = make_aux(cfg)
+    st = tr.init(jax.random.key(0))
+    target = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(9), a.shape), st.iqn.target)
+    ts = st.iqn._replace(target=target)
+    b = synthetic_batch(jax.random.key(1), cfg, 16)["iqn"]
+    with jax.default_matmul_precision("highest"):
+        new, info = jax.jit(tr.iqn_step)(ts, b)
+    key, k = jax.random.split(ts.key)
+    k1, k2 = jax.random.split(k)
+    taus = np.asarray(jax.random.uniform(k1, (16, cfg.n_quantiles)), np.float64)
+    taus_t = np.asarray(jax.random.uniform(k2, (16, cfg.n_target_quantiles)), np.float64)
+
+    def head(p, obs, t):
+        p = {kk: np.asarray(v, np.float64) for kk, v in p.items()}
+        psi = np_relu(np.asarray(obs, np.float64) @ p["w_s"] + p["b_s"])
+        phi = np_relu(np.cos(np.pi * t[..., None] * np.arange(cfg.n_cos)) @ p["w_phi"] + p["b_phi"])
+        h = np_relu((psi[:, None] * phi) @ p["w_h"] + p["b_h"])
+        return (h @ p["w_out"] + p["b_out"])[..., 0]
+
+    z = head(ts.params, b["obs"], taus)
+    y = (np.asarray(b["reward"], np.float64)[:, None]
+         + np.asarray(b["discount"], np.float64)[:, None] * head(target, b["next_obs"], taus_t))
+    d = y[:, None, :] - z[:, :, None]                                                       # [B, N, N']
+    k_ = cfg.kappa
+    huber = np.where(np.abs(d) <= k_, 0.5 * d ** 2, k_ * (np.abs(d) - 0.5 * k_))
+    loss = lambda ind: (np.abs(taus[:, :, None] - ind) * huber / k_).mean(2).sum(1).mean()  # noqa: E731
+    np.testing.assert_allclose(float(info["iqn"]), loss(d < 0), rtol=1e-5)
+    assert abs(loss(d > 0) - loss(d < 0)) > 0.05 * loss(d < 0)  # the flipped indicator is told apart
+    y_online = (np.asarray(b["reward"], np.float64)[:, None]
+                + np.asarray(b["discount"], np.float64)[:, None] * head(ts.params, b["next_obs"], taus_t))
+    d_on = y_online[:, None, :] - z[:, :, None]
+    h_on = np.where(np.abs(d_on) <= k_, 0.5 * d_on ** 2, k_ * (np.abs(d_on) - 0.5 * k_))
+    assert abs((np.abs(taus[:, :, None] - (d_on < 0)) * h_on / k_).mean(2).sum(1).mean() - loss(d < 0)) > 1e-3
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(new.key)), np.asarray(jax.random.key_data(key)))
+
+
+def test_trainers_refuse_batches_of_wrong_shape():
+    """A label of shape [B, 1] broadcast silently against the [B] predictions: the attention trainer's MSE was
+    taken over [B, B] (and a [1] y over every row), the non-fused IQL losses over [B, B, G] (152 instead of ~4.5);
+    a [1] IQN reward broadcast to every row, a scalar discount failed with an IndexError."""
+    b = synthetic_batch(jax.random.key(1), SMALL, 32)
+    B = 32
+    for impl in ("fused", "vmap", "grouped", "grouped_list"):
+        tr = make_aux(SMALL, iql_impl=impl)
+        st = tr.init(jax.random.key(0))
+        for bad in (b["iql"]["q"][:, None], b["iql"]["q"][:1], b["iql"]["q"][:-1]):
+            with pytest.raises(ValueError, match=r"^iql batch\['q'\] must have shape \[B\] = \[32\]"):
+                tr.iql_step(st.iql, {**b["iql"], "q": bad})
+        with pytest.raises(ValueError, match=r"^iql batch\['obs'\] must have shape \[B, 16\]"):
+            tr.iql_step(st.iql, {**b["iql"], "obs": b["iql"]["obs"][:, :8]})
+    cases = [("attn", "y", b["attn"]["y"][:, None], r"\[B\] = \[32\]"), ("attn", "y", b["attn"]["y"][:1], r"\[B\]"),
+             ("attn", "seq", b["attn"]["seq"][..., :8], r"\[B, T, 16\]"),
+             ("iqn", "reward", b["iqn"]["reward"][:1], r"\[B\] = \[32\]"),
+             ("iqn", "discount", jnp.float32(0.9), r"\[B\] = \[32\]"),
+             ("iqn", "next_obs", b["iqn"]["next_obs"][:-1], r"\[B, 16\] = \[32, 16\]")]
+    for name, key, bad, want in cases:
+        with pytest.raises(ValueError, match=rf"^{name} batch\['{key}'\] must have shape {want}"):
+            jax.jit(tr.aux_step)(st, {**b, name: {**b[name], key: bad}})
+    # unchanged for good batches, e.g. the MSE of the attention trainer against NumPy's
+    _, info = tr.attention_step(st.attn, b["attn"])
+    with jax.default_matmul_precision("highest"):
+        pred = np.asarray(attention_predict(st.attn.params, b["attn"]["seq"], SMALL.num_heads), np.float64)
+    assert pred.shape == (B,)
+    np.testing.assert_allclose(float(info["attn"]), np.mean((pred - np.asarray(b["attn"]["y"], np.float64)) ** 2),
+                               rtol=1e-5)
+
+
+def test_config_number_fields_are_checked_by_make_aux():
+    """kappa, target_tau, lr, weight_decay and max_grad_norm were not checked by make_aux: a string gave
+    "'>' not supported between instances of 'str' and 'int'", kappa=inf or target_tau=True failed only when the
+    step was traced (naming `kappa` / `tau`), a negative lr only in init (naming `learning_rate`)."""
+    for field, bad in (("kappa", "1"), ("kappa", True), ("kappa", float("inf")), ("kappa", 0.0), ("kappa", None),
+                       ("target_tau", True), ("target_tau", "0.1"), ("target_tau", None), ("target_tau", float("nan")),
+                       ("target_tau", 1.5), ("lr", -1e-3), ("lr", float("nan")), ("lr", "3e-4"),
+                       ("weight_decay", -1.0), ("weight_decay", float("inf")), ("max_grad_norm", -1.0),
+                       ("max_grad_norm", float("inf")), ("max_grad_norm", True)):
+        with pytest.raises(ValueError, match=rf"^config\.{field} must be"):
+            make_aux(SMALL, **{field: bad})
+    for ok in ({"max_grad_norm": None}, {"max_grad_norm": 0.0}, {"target_tau": 0}, {"target_tau": np.float32(1.0)},
+               {"kappa": np.float64(2.0)}, {"lr": 0.0}, {"weight_decay": 0}):
+        make_aux(SMALL, **ok)
 
 
 # ---------------------------------------------------------------- example and notebook

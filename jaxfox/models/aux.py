@@ -127,10 +127,40 @@ def _check_config(cfg: AuxConfig):
         raise ValueError(f"config.iql_impl must be 'fused', 'grouped', 'grouped_list' or 'vmap', got {cfg.iql_impl!r}")
     if cfg.seq_dim % cfg.num_heads:
         raise ValueError(f"config.num_heads={cfg.num_heads} must divide config.seq_dim={cfg.seq_dim}")
-    if not 0 <= cfg.target_tau <= 1:
-        raise ValueError(f"config.target_tau must be in [0, 1], got {cfg.target_tau!r}")
-    if not cfg.kappa > 0:
-        raise ValueError(f"config.kappa must be > 0, got {cfg.kappa!r}")
+
+    def real(name, lo, hi, lo_open=False, none_ok=False):
+        v = getattr(cfg, name)
+        if none_ok and v is None:
+            return
+        ok = (not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) and np.isfinite(v)
+              and (v > lo if lo_open else v >= lo) and v <= hi)
+        if not ok:
+            rng = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi < np.inf else f"{'> ' if lo_open else '>= '}{lo}"
+            raise ValueError(f"config.{name} must be a finite float {rng}{' or None' if none_ok else ''}, "
+                             f"got {v!r}")
+
+    real("target_tau", 0, 1)
+    real("kappa", 0, np.inf, lo_open=True)
+    real("lr", 0, np.inf)
+    real("weight_decay", 0, np.inf)
+    real("max_grad_norm", 0, np.inf, none_ok=True)
+
+
+def _check_batch(trainer, batch, spec):
+    """Shapes of a trainer's batch (trace time): spec {key: dims}, dims of ints, "B" (the rows of the first key)
+    or another name (any size). A [B, 1] label would broadcast against the [B] predictions into a [B, B] loss."""
+    B = None
+    for key, dims in spec.items():
+        x = batch[key]
+        shape = tuple(x.shape) if hasattr(x, "shape") else None
+        if B is None and shape:
+            B = shape[0]
+        want = [B if d == "B" else None if isinstance(d, str) else d for d in dims]
+        if shape is None or len(shape) != len(dims) or any(w is not None and w != n for w, n in zip(want, shape)):
+            names = ", ".join(str(d) for d in dims)
+            sizes = ", ".join("?" if w is None else str(w) for w in want)
+            raise ValueError(f"{trainer} batch[{key!r}] must have shape [{names}] = [{sizes}], got "
+                             f"{shape if shape is not None else type(x).__name__}")
 
 
 def _dense(key, fan_in, fan_out, lead=()):
@@ -324,12 +354,15 @@ def make_aux(config: AuxConfig | None = None, **overrides) -> AuxTrainers:
         return optax.apply_updates(ts.params, updates), opt
 
     def iql_step(ts: TrainerState, batch):
+        _check_batch("iql", batch, {"obs": ("B", cfg.obs_dim), "q": ("B",)})
         (loss, per_net), g = jax.value_and_grad(
             lambda p: iql_loss(p, batch, taus, cfg.iql_impl), has_aux=True)(ts.params)
         params, opt = apply(ts, g)
         return ts._replace(params=params, opt=opt, step=ts.step + 1), {"iql": loss, "iql_per_net": per_net}
 
     def iqn_step(ts: TrainerState, batch):
+        _check_batch("iqn", batch, {"obs": ("B", cfg.obs_dim), "reward": ("B",), "discount": ("B",),
+                                    "next_obs": ("B", cfg.obs_dim)})
         key, k = jax.random.split(ts.key)
         loss, g = jax.value_and_grad(lambda p: iqn_loss(p, ts.target, batch, k, cfg))(ts.params)
         params, opt = apply(ts, g)
@@ -337,6 +370,7 @@ def make_aux(config: AuxConfig | None = None, **overrides) -> AuxTrainers:
         return TrainerState(params, opt, target, key, ts.step + 1), {"iqn": loss}
 
     def attention_step(ts: TrainerState, batch):
+        _check_batch("attn", batch, {"seq": ("B", "T", cfg.seq_dim), "y": ("B",)})
         loss, g = jax.value_and_grad(lambda p: attention_loss(p, batch, cfg.num_heads))(ts.params)
         params, opt = apply(ts, g)
         return ts._replace(params=params, opt=opt, step=ts.step + 1), {"attn": loss}
