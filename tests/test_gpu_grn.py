@@ -46,11 +46,12 @@ TOL = 1e-5
 
 # ----------------------------------------------------------------------------------------------
 # Float64 oracle, from the equations (TFT eqs. 2-5; google-research gated_residual_network).
-def np_grn64(p, a, eps=1e-5):
-    """GRN(a) without context in float64: a [..., I] -> [..., O]; p a grn_init-style dict (any array type)."""
+def np_grn64(p, a, eps=1e-5, c=None):
+    """GRN(a[, c]) in float64: a [..., I], c [..., C] or None -> [..., O]; p a grn_init-style dict (any array type;
+    with c, ``w3`` [C, Hd] is the bias-free context weight)."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     a = np.asarray(a, np.float64)
-    h2 = a @ p["w2"] + p["b2"]
+    h2 = a @ p["w2"] + p["b2"] + (0.0 if c is None else np.asarray(c, np.float64) @ p["w3"])
     eta2 = np.where(h2 > 0, h2, np.expm1(np.minimum(h2, 0.0)))          # ELU
     eta1 = eta2 @ p["w1"] + p["b1"]
     gate = 0.5 * (1.0 + np.tanh(0.5 * (eta1 @ p["w5"] + p["b5"])))        # sigmoid
@@ -417,8 +418,8 @@ def test_routed_shapes_run_the_reference(name):
     got = _run(step, *args, present=False)  # the default path, compiled without the grn FFI calls
     want = _run(step, *args, reference=True)
     _compare(got, want)
-    if c is None:
-        assert rel_err(got[0], np_grn64(p, a)) <= TOL
+    # both runs are XLA's reference: the values are held to the float64 oracle too (with the context as well)
+    assert rel_err(got[0], np_grn64(p, a, c=c)) <= TOL
 
 
 def test_zero_rows():
