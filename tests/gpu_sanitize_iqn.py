@@ -8,7 +8,7 @@ Cases (B, N, K, H): (5, 24, 32, 64): 2 samples per tile, 3 tiles, the last one p
 (150, 32, 64, 128): 75 backward blocks, a chunked parameter-gradient reduction (reduce_chunks > 1);
 (600, 32, 32, 128) and (1201, 16, 64, 64): more tiles than the 132 blocks, so blocks walk several tiles.
 Each runs the forward alone, forward + backward with and without d taus, and the fused loss
-(jaxfox.iqn_quantile_huber_loss, kernel jaxfox_iqn_loss, opted in below; N' = N + 3 targets a sample), blocks
+(jaxfox.iqn_quantile_huber_loss, kernel jaxfox_iqn_loss, the default path; N' = N + 3 targets a sample), blocks
 until ready, and
 checks the values against the float64 NumPy oracle of tests/test_iqn.py (norm-wise relative error <= 5e-3 for z and
 every gradient, the TF32 tolerance). That tolerance holds only where TF32 rounding cannot move a pre-activation

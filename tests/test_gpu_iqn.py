@@ -464,8 +464,8 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
 
 
 def test_command_buffers_on_off_identical(tmp_path):
-    """The head's forward / backward kernels and the fused loss (opted in inside the child script) give the same
-    bits with command buffers on and off."""
+    """The head's forward / backward kernels and the fused loss (the default path) give the same bits with command
+    buffers on and off."""
     assert_command_buffers_identical(_CMDBUF_SCRIPT, tmp_path)
 
 
@@ -529,12 +529,7 @@ def test_sgd_quantile_regression_loss_falls():
 
 
 # ----------------------------------------------------------------------------------------------
-# iqn_quantile_huber_loss: the fused loss-and-gradient kernel (jaxfox_iqn_loss, opt-in "iqn_loss").
-@pytest.fixture
-def fused_loss(monkeypatch):
-    """The fused loss kernel runs by default (it was opt-in until measured)."""
-
-
+# iqn_quantile_huber_loss: the fused loss-and-gradient kernel (jaxfox_iqn_loss; the default since it measured 2.05x XLA).
 def _fused_grad(p, s, t, y, kappa=1.0):
     return jax.value_and_grad(lambda p, s: jaxfox.iqn_quantile_huber_loss(p, s, t, y, kappa), argnums=(0, 1))(p, s)
 
@@ -582,7 +577,7 @@ LOSS_SHAPES = [  # B, N, N', K, H
 
 @pytest.mark.parametrize("B,N,Nt,K,H", LOSS_SHAPES)
 @pytest.mark.parametrize("kappa", [1.0, 0.3])
-def test_fused_loss_exact_math_matches_oracle(fused_loss, B, N, Nt, K, H, kappa):
+def test_fused_loss_exact_math_matches_oracle(B, N, Nt, K, H, kappa):
     """Loss and the gradient w.r.t. params and psi against the float64 oracle (exact-math head inputs; the
     loss's d z is continuous in z, so TF32 in z moves it by O(TF32) only), targets around the quantiles so that
     |delta| falls on both sides of kappa and of 0."""
@@ -597,7 +592,7 @@ def test_fused_loss_exact_math_matches_oracle(fused_loss, B, N, Nt, K, H, kappa)
     assert_fused_grads_close(g, params, psi, taus, y, kappa, "fused loss vs oracle (exact-math inputs)")
 
 
-def test_fused_loss_typical_init_as_accurate_as_xla(fused_loss):
+def test_fused_loss_typical_init_as_accurate_as_xla():
     params, psi, taus, _ = _typical_inputs(300, 32, 64, 128, seed=21)
     y = make_targets(300, 32, seed=21, scale=0.05)
     loss, g = _run_fused(params, psi, taus, y)
@@ -608,7 +603,7 @@ def test_fused_loss_typical_init_as_accurate_as_xla(fused_loss):
 
 
 @pytest.mark.parametrize("B,N,Nt,K,H", [(37, 32, 32, 64, 128), (1000, 32, 32, 64, 128)])
-def test_fused_loss_gradients_bitwise_repeatable(fused_loss, B, N, Nt, K, H):
+def test_fused_loss_gradients_bitwise_repeatable(B, N, Nt, K, H):
     params, psi, taus, _ = _typical_inputs(B, N, K, H, seed=22)
     y = make_targets(B, Nt, seed=22, scale=0.05)
     f = jax.jit(_fused_grad)
@@ -618,7 +613,7 @@ def test_fused_loss_gradients_bitwise_repeatable(fused_loss, B, N, Nt, K, H):
         assert _leaves_equal(jax.device_get(f(params, psi, taus, y)), first)
 
 
-def test_fused_loss_single_sample_equals_batch_member(fused_loss):
+def test_fused_loss_single_sample_equals_batch_member():
     """d psi of sample i alone (a batch of 1) is B times its d psi inside the batch (the loss is a batch mean).
     B = 32, a power of 2: d z in the batch is d z alone / 32 exactly, so the TF32 rounding of d h is too."""
     B, N, Nt, K, H = 32, 32, 32, 64, 128
@@ -633,7 +628,7 @@ def test_fused_loss_single_sample_equals_batch_member(fused_loss):
         assert float(np.abs(dpsi1 - want).max()) <= 1e-6 * scale, (i, float(np.abs(dpsi1 - want).max()), scale)
 
 
-def test_fused_loss_nan_target_stays_in_its_sample(fused_loss):
+def test_fused_loss_nan_target_stays_in_its_sample():
     """A NaN target of sample 3 makes the loss NaN (as the reference) and d psi[3] NaN, and leaves the other
     samples' d psi bitwise unchanged (their d z does not depend on sample 3)."""
     B, N, K, H = 37, 32, 64, 128
@@ -649,7 +644,7 @@ def test_fused_loss_nan_target_stays_in_its_sample(fused_loss):
     assert np.array_equal(dpsi_bad[others], dpsi_ok[others])
 
 
-def test_aux_iqn_trainer_loss_falls_with_the_fused_loss(fused_loss):
+def test_aux_iqn_trainer_loss_falls_with_the_fused_loss():
     """The aux IQN trainer (online head through the fused loss, target head through the forward kernel) on its
     synthetic batch: the loss after 60 steps is below 0.8 of the first steps' (the CPU reference path gives
     the same fall)."""
