@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,3 +123,102 @@ def test_opt_in_names_unknown_are_ignored_with_a_warning(monkeypatch):
         assert all(_ffi.kernel_opted_in(op) for op in _ffi.OPT_IN)
     with pytest.raises(ValueError, match="op must be one of"):
         _ffi.kernel_opted_in("iqll")
+
+
+def _cpu_loop_hlo(op, stateful, unroll, *inputs):
+    from jaxfox.bench import _make_loop
+
+    return jax.jit(_make_loop(op, None, unroll, stateful)).lower(np.int32(2), *inputs).compile().as_text()
+
+
+@pytest.mark.parametrize("unroll", [1, 4])
+def test_bench_loop_keeps_every_unrolled_op_call_whole(unroll):
+    """With unroll > 1 (reduce_axis0's rows, or --unroll), only the last op call's outputs were carried: the others
+    were read only through the one element of the opaque zero, and XLA removed the rest of their work (e.g. the whole
+    backward of a value_and_grad op, whose first output is the loss). Here the backward's cosine (of sin's VJP) and a
+    stateful step's cos output must appear once per op call in the compiled loop."""
+    x = jnp.linspace(0.0, 1.0, 4096, dtype=jnp.float32).reshape(64, 64)
+    w = jnp.linspace(1.0, 2.0, 64, dtype=jnp.float32)
+
+    def op(x, w):
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x) * w))(x)
+
+    def step(state, x):
+        return state * 0.5 + jnp.sum(x), (jnp.sum(state), jnp.cos(x))
+
+    assert _cpu_loop_hlo(op, False, unroll, x, w).count(" cosine(") == unroll
+    assert _cpu_loop_hlo(step, True, unroll, jnp.float32(1.0), x).count(" cosine(") == unroll
+
+
+def _ops_outside_loops(hlo_text: str, opcode: str) -> int:
+    """Instructions of ``opcode`` in the compiled program outside every while loop's body and condition."""
+    comps = {}
+    for block in re.split(r"\n(?=\S)", hlo_text):
+        m = re.match(r"(ENTRY )?%(\S+)", block)
+        if m:
+            comps["ENTRY" if m.group(1) else m.group(2)] = block
+    seen, todo, n = set(), ["ENTRY"], 0
+    while todo:
+        lines = comps.get(todo.pop(), "").splitlines()[1:]
+        n += sum(f" {opcode}(" in line for line in lines)
+        for line in lines:
+            if " while(" in line:
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
+                if callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+    return n
+
+
+def test_bench_loop_draws_random_numbers_every_op_call():
+    """A PRNG key input was not perturbed, so random draws from it were loop-invariant and XLA hoisted them out of
+    the timed loop (per_sample's stratified draws). The draws must stay inside the loop and keep their values."""
+    key = jax.random.key(3)
+    x = jnp.ones((64, 64), jnp.float32)
+
+    def op(x, key):
+        return x + jax.random.uniform(key, (64, 64))
+
+    text = _cpu_loop_hlo(op, False, 1, x, key)
+    assert " xor(" in text and _ops_outside_loops(text, "xor") == 0
+    from jaxfox.bench import _make_loop
+
+    (x_out, key_out), (y,) = jax.jit(_make_loop(op, None, 1, False))(np.int32(3), x, key)
+    np.testing.assert_array_equal(jax.random.key_data(key_out), jax.random.key_data(key))
+    np.testing.assert_array_equal(y, np.ones((64, 64), np.float32) + np.asarray(jax.random.uniform(key, (64, 64))))
+
+
+@pytest.mark.parametrize("name", ["per_sample", "dqn_step_dp"])
+def test_bench_case_random_draws_stay_in_the_loop(name):
+    """per_sample (key input) and dqn_step_dp (a constant key inside the step) had their PER draws hoisted out of the
+    timed loop on both paths: the threefry hash (xor) must run inside the loop only."""
+    from jaxfox import use_reference
+    from jaxfox.bench import REGISTRY
+
+    variant = REGISTRY[name]("small")[0]
+    spec = variant.setup()
+    with use_reference():
+        op = (spec.reference_builder or spec.kernel_builder)()
+        text = _cpu_loop_hlo(op, variant.stateful, 1, *spec.inputs)
+    assert " xor(" in text
+    assert _ops_outside_loops(text, "xor") == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ops", ","], "--ops: no case named"),
+    (["--ops", " "], "--ops: no case named"),
+    (["--min-call-ms", "nan"], "--min-call-ms must be a finite number > 0"),
+    (["--min-call-ms", "inf"], "--min-call-ms must be a finite number > 0"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--shapes", "huge"], "invalid choice: 'huge'"),
+])
+def test_bench_cli_rejects_bad_arguments(argv, message, capsys):
+    """An empty --ops ran nothing and exited 0 (an empty table from a GPU visit); a non-finite --min-call-ms failed
+    every case later with an OverflowError / ValueError from the calibration."""
+    from jaxfox.bench.__main__ import _parse
+
+    with pytest.raises(SystemExit) as e:
+        _parse(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

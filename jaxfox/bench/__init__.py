@@ -10,10 +10,11 @@ function is built and compiled twice in one process:
 
 Timing is on the device, not in Python: one compiled call runs the op ``n_inner`` times inside a
 ``lax.fori_loop`` (``unroll`` op calls per trip for tiny ops). Before each op call the first element
-of every input is set to its original value + ``0 * (an element of the previous outputs)`` (an
-in-place one-element
+of every input (of a PRNG key: of its key data) is set to its original value + ``0 * (an element of
+the previous outputs)`` (an in-place one-element
 ``dynamic_update_slice``; XLA does not fold float ``a * 0``), so XLA can neither hoist the op out of
-the loop nor merge iterations, and the outputs are carried, so none is dead code. (An
+the loop nor merge iterations, and the outputs of every op call (all ``unroll`` of a trip) are
+carried, so none is dead code. (An
 ``optimization_barrier`` is not enough: XLA removes it before loop-invariant code motion.)
 Stateful cases (a training step) carry their state and perturb only the other inputs. Inputs are
 donated on GPU and the loop's final inputs are fed to the next call, so no copy enters the timing.
@@ -24,7 +25,8 @@ it is an argument of one compiled program. One warm-up call follows compilation;
 calls are timed with ``time.perf_counter`` around ``block_until_ready`` and the median per op call
 is reported. The loop's own cost per op call (the same loop around a null op: the one-element
 updates and the loop counter) is measured too and reported as "loop ovh"; it is included in, not
-subtracted from, the op times. The carried outputs start as zeros (one memset per timed call).
+subtracted from, the op times. The carried outputs start as constant fills (one memset each per timed
+call).
 Both paths are compiled and calibrated first, then their timed calls alternate, so a change in
 the machine's load hits both alike; a path whose program is identical to the other's (the jaxfox
 path where the kernels are unavailable) reuses the compiled program.
@@ -137,8 +139,16 @@ def _perturbable(a) -> bool:
         jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.integer))
 
 
+def _is_key(a) -> bool:
+    return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jax.dtypes.prng_key) and a.size > 0
+
+
 def _first(a):
-    """The first element of ``a`` as an array of shape (1,) * ndim (or ``a`` itself for a scalar)."""
+    """The first element of ``a`` as an array of shape (1,) * ndim (or ``a`` itself for a scalar).
+
+    For a typed PRNG key array, the first element of its key data (uint32)."""
+    if _is_key(a):
+        return _first(jax.random.key_data(a))
     if not _perturbable(a) or a.ndim == 0:
         return a
     return jax.lax.slice(a, (0,) * a.ndim, (1,) * a.ndim)
@@ -149,8 +159,12 @@ def _perturb(a, first, c):
 
     An in-place one-element ``dynamic_update_slice`` on the loop carry: ``a`` becomes loop-variant at
     the cost of a tiny kernel. The new value is not read from ``a`` itself, so the only reader of the
-    old ``a`` is the update (a second reader would make XLA copy ``a`` every iteration).
+    old ``a`` is the update (a second reader would make XLA copy ``a`` every iteration). A typed PRNG
+    key is perturbed through its key data, so random draws from an input key are made every op call,
+    not hoisted out of the loop.
     """
+    if _is_key(a):
+        return jax.random.wrap_key_data(_perturb(jax.random.key_data(a), first, c), impl=jax.random.key_impl(a))
     if not _perturbable(a):
         return a
     if a.ndim == 0:
@@ -169,8 +183,9 @@ def _make_loop(op: Callable, trips: int | None, unroll: int, stateful: bool) -> 
     Every op call depends on the previous one: the first element of each (non-state) input is set
     to its original value + an opaque zero computed from the previous outputs, so XLA can neither
     hoist the op out of the loop nor merge calls, and the outputs are carried, so none is dead.
-    Returns the final inputs with the outputs (stateless: ``(inputs, out)``; stateful:
-    ``(state, aux, rest)``) so donated inputs can be fed to the next call.
+    Returns the final inputs with the outputs (stateless: ``(inputs, outs)``; stateful:
+    ``(state, auxs, rest)``; ``outs``/``auxs``: a tuple of the ``unroll`` op calls' outputs of the last
+    trip, all carried so that none is dead code) so donated inputs can be fed to the next call.
     """
     if trips is not None and trips < 1:
         raise ValueError(f"the loop trip count must be >= 1, got {trips}")
@@ -180,35 +195,48 @@ def _make_loop(op: Callable, trips: int | None, unroll: int, stateful: bool) -> 
         c = _opaque_zero(prev_out)
         return jax.tree.map(lambda a, f: _perturb(a, f, c), tree, firsts)
 
-    def zeros_like_out(f, *args):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(f, *args))
+    def init_outs(f, *args):
+        # `unroll` initial outputs (only their values' shapes matter): each filled with its own value, so
+        # that XLA does not merge them into one buffer and copy it into every carry slot on each call
+        shapes = jax.eval_shape(f, *args)
+        fill = lambda s, k: (jnp.full(s.shape, k, s.dtype)  # noqa: E731
+                             if jnp.issubdtype(s.dtype, jnp.number) else jnp.zeros(s.shape, s.dtype))
+        return tuple(jax.tree.map(lambda s: fill(s, k), shapes) for k in range(unroll))
 
-    # The op is traced `unroll` times, all inside the loop (the carry starts from zeros), so the
+    # The op is traced `unroll` times, all inside the loop (the carry starts from placeholders), so the
     # program holds `unroll` copies of it and compile time does not grow with the trip count.
+    # The outputs of EVERY copy are carried (a tuple of `unroll` outputs): were only the last copy's
+    # carried, the other copies' outputs would be read only through the one element of the opaque zero,
+    # and XLA would remove what that element does not need (e.g. the whole backward of a value_and_grad
+    # op, whose first output is the loss).
     if stateful:
         def body(_, carry, firsts):
-            state, aux, rest = carry
+            state, auxs, rest = carry
+            aux, new = auxs[-1], []
             for _ in range(unroll):
                 rest = perturb(rest, firsts, aux)
                 state, aux = op(state, *rest)
-            return state, aux, rest
+                new.append(aux)
+            return state, tuple(new), rest
 
         def loop(trips, state, *rest):
             firsts = jax.tree.map(_first, rest)
-            aux0 = zeros_like_out(lambda s, *r: op(s, *r)[1], state, *rest)
-            return jax.lax.fori_loop(0, trips, lambda i, c: body(i, c, firsts), (state, aux0, rest))
+            auxs = init_outs(lambda s, *r: op(s, *r)[1], state, *rest)
+            return jax.lax.fori_loop(0, trips, lambda i, c: body(i, c, firsts), (state, auxs, rest))
     else:
         def body(_, carry, firsts):
-            inputs, out = carry
+            inputs, outs = carry
+            out, new = outs[-1], []
             for _ in range(unroll):
                 inputs = perturb(inputs, firsts, out)
                 out = op(*inputs)
-            return inputs, out
+                new.append(out)
+            return inputs, tuple(new)
 
         def loop(trips, *inputs):
             firsts = jax.tree.map(_first, inputs)
             return jax.lax.fori_loop(0, trips, lambda i, c: body(i, c, firsts),
-                                     (inputs, zeros_like_out(op, *inputs)))
+                                     (inputs, init_outs(op, *inputs)))
 
     if trips is None:
         return loop

@@ -794,10 +794,9 @@ def dqn_dp_case(size: str) -> list[Variant]:
             make = lambda: make_update(opt, dan, support(), batch_size=b * n, mesh=mesh)  # noqa: E731
             update = make()
 
-            def wrap(update):
-                return lambda state, beta: update(state, jax.random.key(0), beta)
-
-            return CaseSpec(lambda: wrap(update), lambda: wrap(make()), (state, jnp.float32(0.4)), None, None)
+            # the key is an input (perturbed by the loop like any other), not a constant: a constant key's
+            # PER draws would be loop-invariant and XLA would hoist them out of the timed loop
+            return CaseSpec(lambda: update, make, (state, jax.random.key(0), jnp.float32(0.4)), None, None)
 
         out.append(Variant("dqn_step_dp", f"{n} device(s) x B={b}", setup, stateful=True,
                            params={"devices": n, "per_device_batch": b}))
