@@ -41,13 +41,15 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.min_call_ms <= 0:
-        p.error(f"--min-call-ms must be > 0, got {args.min_call_ms}")
+    if not (0 < args.min_call_ms < float("inf")):
+        p.error(f"--min-call-ms must be a finite number > 0, got {args.min_call_ms}")
     if args.max_inner < 1:
         p.error(f"--max-inner must be >= 1, got {args.max_inner}")
     if args.unroll is not None and args.unroll < 1:
         p.error(f"--unroll must be >= 1, got {args.unroll}")
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    if not args.ops:
+        p.error("--ops: no case named (give a comma-separated list of cases)")
     from jaxfox.bench import REGISTRY, cases  # noqa: F401
 
     unknown = [o for o in args.ops if o not in REGISTRY]
