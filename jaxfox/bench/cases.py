@@ -179,7 +179,8 @@ def attention_pool_case(size: str) -> list[Variant]:
 
     hs [B, T, H] with H = 128 (16 small), 4 heads, no mask; rows = B x T (2048 and 16384 by default); and the
     aux attention trainer's shape, B = 16384, T = 16, H = 64, differentiated w.r.t. the parameters only.
-    The kernel is opt-in: the jaxfox path runs it only with JAXFOX_OPT_IN_KERNELS=attention_pool.
+    The kernels run by default from 16384 rows B T on (jaxfox.attention._KERNEL_MIN_ROWS); below that the jaxfox
+    path is XLA unless JAXFOX_OPT_IN_KERNELS=attention_pool.
     """
     import jaxfox
 
