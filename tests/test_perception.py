@@ -389,3 +389,24 @@ def test_notebook_executes(tmp_path, monkeypatch):
     _, text = execute_notebook("perception.ipynb", tmp_path, monkeypatch,
                                {"JAXFOX_NB_EPOCHS": "1", "JAXFOX_NB_MAX_TRAIN": "256"})
     assert "test AUC" in text
+
+
+def test_v0_training_functions_refuse_the_full_model_naming_its_own():
+    """jaxfox.models.train_step / train_epoch / evaluate / predict_logits / loss_fn are model v0's; given the full
+    Perception model they failed deep inside ("'tuple' object has no attribute 'dtype'", an inhomogeneous-array
+    ValueError). Now a TypeError names the function of jaxfox.models.perception to use."""
+    from jaxfox.models import Perception, loss_fn
+
+    full = Perception(5, embed_dim=2, vsn_hidden=4, vsn_out=4, hidden=4, backbone_units=8, num_heads=2,
+                      rngs=nnx.Rngs(0))
+    opt = make_optimizer(full)
+    x, y = jnp.zeros((4, 6, 5), jnp.float32), jnp.zeros((4,), jnp.float32)
+    calls = {"train_step": lambda: train_step(full, opt, x, y),
+             "train_epoch": lambda: train_epoch(full, opt, x, y, jax.random.key(0), batch_size=2),
+             "evaluate": lambda: evaluate(full, x, np.array([0, 1, 0, 1], np.float32)),
+             "predict": lambda: predict_logits(full, x),
+             "loss_fn": lambda: loss_fn(full, x, y)}
+    for use, call in calls.items():
+        with pytest.raises(TypeError, match=rf"model must be a jaxfox.models.PerceptionV0 .*got Perception; for "
+                                            rf"jaxfox.models.Perception use jaxfox.models.perception.{use}\b"):
+            call()

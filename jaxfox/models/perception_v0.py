@@ -146,8 +146,24 @@ def make_optimizer(model: nnx.Module, *, lr: float = DEFAULTS["lr"], weight_deca
     return Optimizer(model, tx, wrt=nnx.Param)
 
 
+def _check_v0(model, fn: str) -> None:
+    """TypeError unless ``model`` is a :class:`PerceptionV0`: ``jaxfox.models.train_step`` and its siblings are v0's,
+    and the full model (whose call returns (logits, weights)) failed deep inside them."""
+    if not isinstance(model, PerceptionV0):
+        full = {"predict_logits": "predict"}.get(fn, fn)
+        hint = (f"; for jaxfox.models.Perception use jaxfox.models.perception.{full}"
+                if type(model).__name__ == "Perception" else "")
+        raise TypeError(f"{fn}: model must be a jaxfox.models.PerceptionV0 (these are model v0's training functions), "
+                        f"got {type(model).__name__}{hint}")
+
+
 def loss_fn(model: PerceptionV0, x, y):
-    """Mean binary cross-entropy of ``model(x)`` logits [B] against labels y [B] in {0, 1} (float32)."""
+    """Mean binary cross-entropy of ``model(x)`` logits [B] against labels y [B] in {0, 1} (float32).
+
+    Raises:
+      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.loss_fn`).
+    """
+    _check_v0(model, "loss_fn")
     return optax.sigmoid_binary_cross_entropy(model(x), y).mean()
 
 
@@ -186,7 +202,9 @@ def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, *, mesh=None
 
     Raises:
       ValueError: B is not divisible by the number of devices in the mesh.
+      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.train_step`).
     """
+    _check_v0(model, "train_step")
     return data_parallel_step(model, optimizer, x, y, mesh)
 
 
@@ -300,8 +318,10 @@ def train_epoch(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, key, *, bat
       the steps' batch-mean BCE losses [N // batch_size] float32, each before its update.
 
     Raises:
-      TypeError / ValueError naming the argument, before anything runs: see :func:`check_epoch_args`.
+      TypeError / ValueError naming the argument, before anything runs: see :func:`check_epoch_args`; TypeError:
+        model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.train_epoch`).
     """
+    _check_v0(model, "train_epoch")
     return _run_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise, mesh=mesh,
                       loss=loss_fn)
 
@@ -317,7 +337,9 @@ def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarr
 
     Raises:
       ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (from the model).
+      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.predict`).
     """
+    _check_v0(model, "predict_logits")
     batch_size = positive_int("batch_size", batch_size)  # a negative one made range() skip every window
     x = np.asarray(x, np.float32)
     # checked on the whole x: the model sees only zero-padded chunks (an error would report the chunk's shape),
@@ -340,9 +362,11 @@ def evaluate(model: PerceptionV0, x, y, *, batch_size: int = 256) -> tuple[float
     Raises:
       ValueError: y is not [N] (a [N, 1] y would broadcast the BCE to [N, N] and report a wrong loss), as
         :func:`predict_logits`, and as :func:`jaxfox.data.market.auc` (y not 0/1 labels of both classes).
+      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.evaluate`).
     """
     from jaxfox.data.market import auc
 
+    _check_v0(model, "evaluate")
     y = np.asarray(y, np.float32)
     _check_labels(y, len(x), "N")
     logits = predict_logits(model, x, batch_size=batch_size)
