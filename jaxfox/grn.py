@@ -384,7 +384,8 @@ def _grn_apply(params, a, c, eps, softmax=False):
 def grn(params, a, context=None, *, eps=1e-5):
     """Gated residual network: a [..., I] (and context [..., C]) -> [..., O] float32.
 
-    Math: module docstring (TFT eqs. 2-5, google-research ``gated_residual_network``).
+    Math: the docstring of module ``jaxfox.grn`` (TFT eqs. 2-5, google-research ``gated_residual_network``;
+    ``jaxfox.grn`` names this function, so read it as ``sys.modules["jaxfox.grn"].__doc__``).
 
     Args:
       params: from :func:`grn_init` (float32). The skip is the identity when I == O, else the
@@ -396,7 +397,9 @@ def grn(params, a, context=None, *, eps=1e-5):
         used 1e-3.
 
     Returns:
-      [..., O] float32. bfloat16 inputs are promoted: every product, accumulation and statistic
+      [..., O] float32. With O = 1 the output is constant, ``beta``: the final LayerNorm over one feature
+      gives 0 before its affine part (TFT's definition; the weights then get no gradient), so use a linear
+      layer for a scalar head. bfloat16 inputs are promoted: every product, accumulation and statistic
       is float32 and the output is float32; the gradient with respect to a bfloat16 ``a`` (or
       context) is the float32 gradient rounded once to bfloat16. A float32/bfloat16 mix of ``a``
       and ``context`` is computed from float32 copies.

@@ -307,7 +307,10 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
 
     Equals ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(learning_rate, b1,
     b2, eps, weight_decay=weight_decay, mask=mask))`` (without the clip when max_grad_norm is None),
-    with the same operation order, so results agree to ~1 ulp. Per leaf, at step t = count + 1:
+    with the same operation order, so results agree to ~1 ulp, for the same ``mask``. Note the default:
+    ``mask=None`` decays only leaves with ndim >= 2 (weight matrices, not biases or LayerNorm scales; the
+    usual AdamW practice), where ``optax.adamw(mask=None)`` decays every leaf: pass ``mask=True`` for optax's
+    behaviour, or give optax :func:`default_decay_mask`. Per leaf, at step t = count + 1:
 
         g  <- g                          if ||g|| < max_norm or ||g|| == 0
               g / ||g|| * max_norm       otherwise          (||.|| = global L2 norm over all leaves)

@@ -237,7 +237,8 @@ def _vsn_apply(params, xs, c, eps):
 def vsn(params, xs, context=None, *, eps=1e-5):
     """Variable selection network: xs [..., m, d] -> (out [..., O], weights [..., m]), float32.
 
-    Math: module docstring (TFT eqs. 6-8, google-research ``lstm_combine_and_mask``).
+    Math: the docstring of module ``jaxfox.vsn`` (TFT eqs. 6-8, google-research ``lstm_combine_and_mask``;
+    ``jaxfox.vsn`` names this function, so read it as ``sys.modules["jaxfox.vsn"].__doc__``).
 
     Args:
       params: from :func:`vsn_init` (float32).

@@ -568,3 +568,14 @@ def test_vsn_selection_lowers_to_the_grn_kernels(kernels_on):
     assert GRN_FWD not in calls and GRN_BWD not in calls and VSN_BWD in calls, set(calls)
     with jaxfox.use_reference():
         assert cuda_custom_calls(step, p, jnp.zeros((32, 64, m, d))) == {}
+
+
+def test_output_size_one_is_the_constant_beta():
+    """O = 1: the final LayerNorm over one feature gives 0 before its affine part, so the output is beta for every
+    input and the weights get no gradient (TFT's definition, documented in grn's Returns)."""
+    p = jaxfox.grn_init(jax.random.key(0), 8, 16, 1)
+    p["beta"] = jnp.asarray([0.75], jnp.float32)
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jaxfox.grn(p, a)), np.full((5, 1), 0.75, np.float32))
+    g = jax.grad(lambda p: jaxfox.grn(p, a).sum())(p)
+    assert float(np.abs(np.asarray(g["w2"])).max()) == 0.0 and float(np.asarray(g["beta"])[0]) == 5.0
