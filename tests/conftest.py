@@ -282,6 +282,37 @@ def assert_command_buffers_identical(script, tmp_path):
             assert np.array_equal(on[k], on[k[:-1] + "0"]), f"{k}: differs from the first run"
 
 
+def train_full_perception(reference, check_program, steps=30):
+    """Trains jaxfox.models.perception (FULL_DEFAULTS) at B = 32, T = 64, m = 48 for ``steps`` train_steps over 8
+    fixed random batches (label: the sign of the last step's first feature), under
+    ``jax.default_matmul_precision("highest")`` and, with ``reference``, inside ``jaxfox.use_reference()``.
+    ``check_program(text)`` gets the lowered train_step first. Returns (losses [steps], params before, params after),
+    the params as {flat path: NumPy array} of the model's nnx.Param state."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jaxfox
+    from jaxfox.models.perception import FULL_DEFAULTS, make_model, make_optimizer, train_step
+
+    B, T, m = 32, 64, 48
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((8 * B, T, m)).astype(np.float32)
+    Y = (X[:, -1, 0] > 0).astype(np.float32)
+    model = make_model(m, rngs=nnx.Rngs(0))
+    opt = make_optimizer(model, lr=FULL_DEFAULTS["lr"], weight_decay=FULL_DEFAULTS["weight_decay"])
+    params = lambda: {k: np.array(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}  # noqa: E731
+    before, losses = params(), []
+    with jax.default_matmul_precision("highest"), jaxfox.use_reference() if reference else contextlib.nullcontext():
+        check_program(train_step.lower(model, opt, jnp.asarray(X[:B]), jnp.asarray(Y[:B])).as_text())
+        for it in range(steps):
+            k = (it % 8) * B
+            losses.append(float(train_step(model, opt, jnp.asarray(X[k:k + B]), jnp.asarray(Y[k:k + B]))))
+    return np.array(losses), before, params()
+
+
 def execute_notebook(name, tmp_path, monkeypatch, env=None):
     """Executes ``examples/<name>`` (committed without outputs) with nbclient, the repository first on
     PYTHONPATH and ``env`` set, in ``tmp_path``. Returns (notebook with outputs, all stream text).

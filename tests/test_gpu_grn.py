@@ -484,28 +484,14 @@ def test_full_model_training_loss_falls_with_the_grn_kernels():
     over 8 random batches (label: the sign of the last step's first feature) lower the loss, and the first loss
     equals the reference path's (both under "highest", as test_gpu_vsn.py's training test). No training test ran
     the GRN kernels before (they are opt-in; test_gpu_vsn.py does not opt in)."""
-    from flax import nnx
-
-    from jaxfox.models.perception import FULL_DEFAULTS, make_model, make_optimizer, train_step
-
-    B, T, m = 32, 64, 48
-    rng = np.random.default_rng(0)
-    X = rng.standard_normal((8 * B, T, m)).astype(np.float32)
-    Y = (X[:, -1, 0] > 0).astype(np.float32)
+    from conftest import train_full_perception
 
     def train(reference):
-        model = make_model(m, rngs=nnx.Rngs(0))
-        opt = make_optimizer(model, lr=FULL_DEFAULTS["lr"], weight_decay=FULL_DEFAULTS["weight_decay"])
-        losses = []
-        with jax.default_matmul_precision("highest"), \
-                jaxfox.use_reference() if reference else contextlib.nullcontext():
-            text = train_step.lower(model, opt, jnp.asarray(X[:B]), jnp.asarray(Y[:B])).as_text()
+        def check(text):
             for t in GRN_TARGETS:
                 assert (t in text) != reference, (t, reference)
-            for it in range(30):
-                k = (it % 8) * B
-                losses.append(float(train_step(model, opt, jnp.asarray(X[k:k + B]), jnp.asarray(Y[k:k + B]))))
-        return np.array(losses)
+
+        return train_full_perception(reference, check)[0]
 
     losses = train(reference=False)
     assert np.isfinite(losses).all()

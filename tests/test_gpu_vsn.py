@@ -525,30 +525,13 @@ def test_full_model_training_loss_falls():
     losses equal the reference path's. Both runs under ``jax.default_matmul_precision("highest")``: at the default
     precision the model's other XLA matmuls use TF32 (the H200 run saw 1.7e-5 relative between the two first
     losses from that alone)."""
-    from flax import nnx
-
-    from jaxfox.models.perception import FULL_DEFAULTS, make_model, make_optimizer, train_step
-
-    B, T, m = 32, 64, 48
-    rng = np.random.default_rng(0)
-    X = rng.standard_normal((8 * B, T, m)).astype(np.float32)
-    Y = (X[:, -1, 0] > 0).astype(np.float32)
+    from conftest import train_full_perception
 
     def train(reference):
-        model = make_model(m, rngs=nnx.Rngs(0))
-        opt = make_optimizer(model, lr=FULL_DEFAULTS["lr"], weight_decay=FULL_DEFAULTS["weight_decay"])
-        before = {k: np.array(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if k[0] == "vsn"}
-        losses = []
-        with jax.default_matmul_precision("highest"), \
-                jaxfox.use_reference() if reference else contextlib.nullcontext():
-            text = train_step.lower(model, opt, jnp.asarray(X[:B]), jnp.asarray(Y[:B])).as_text()
-            _assert_kernel_calls(text, present=not reference)
-            for it in range(30):
-                k = (it % 8) * B
-                losses.append(float(train_step(model, opt, jnp.asarray(X[k:k + B]), jnp.asarray(Y[k:k + B]))))
-        after = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-        changed = {k: not np.array_equal(v, np.asarray(after[k])) for k, v in before.items()}
-        return np.array(losses), changed
+        losses, before, after = train_full_perception(
+            reference, lambda text: _assert_kernel_calls(text, present=not reference))
+        changed = {k: not np.array_equal(v, after[k]) for k, v in before.items() if k[0] == "vsn"}
+        return losses, changed
 
     losses, changed = train(reference=False)
     assert np.isfinite(losses).all()
