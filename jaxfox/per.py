@@ -197,18 +197,18 @@ def add(state: PERState, items) -> PERState:
         new_items = state.items
     if n == 0:
         return state
-    # jnp.asarray: a state restored from a checkpoint (flax.serialization) holds NumPy arrays, which have no .at
-    asj = jnp.asarray
+    # a state restored from a checkpoint (flax.serialization) holds NumPy arrays, which have no .at: jax arrays once
+    state = jax.tree.map(jnp.asarray, state)
     m = min(n, C)  # only the last m of the n items survive
-    start = (asj(state.pos) + (n - m)) % C
+    start = (state.pos + (n - m)) % C
     slots = ((start + jnp.arange(m, dtype=jnp.int32)) % C).astype(jnp.int32)  # distinct: deterministic scatter
     if state.items is not None:
-        new_items = jax.tree.map(lambda store, x: asj(store).at[slots].set(x[n - m:]), state.items, items)
+        new_items = jax.tree.map(lambda store, x: store.at[slots].set(x[n - m:]), state.items, items)
     return PERState(
-        priorities=asj(state.priorities).at[slots].set(state.max_priority),
-        max_priority=asj(state.max_priority),
-        size=jnp.minimum(asj(state.size) + m, C).astype(jnp.int32),
-        pos=((asj(state.pos) + n % C) % C).astype(jnp.int32),
+        priorities=state.priorities.at[slots].set(state.max_priority),
+        max_priority=state.max_priority,
+        size=jnp.minimum(state.size + m, C).astype(jnp.int32),
+        pos=((state.pos + n % C) % C).astype(jnp.int32),
         items=new_items,
     )
 
