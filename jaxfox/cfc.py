@@ -359,10 +359,11 @@ def _prepare_ts(ts, B, T):
         raise ValueError(f"ts must be a scalar, [B]={B} or [B, T]=[{B}, {T}], got shape {tuple(ts.shape)}")
     concrete = not isinstance(ts, jax.core.Tracer)
     if concrete:
-        if not bool(np.all(np.asarray(ts) >= 0)):
+        host = np.asarray(ts)  # one transfer of a concrete jax array, for both checks
+        if not bool(np.all(host >= 0)):
             raise ValueError("ts (elapsed time per step) must be >= 0; got a negative or NaN value")
         with np.errstate(over="ignore"):
-            values = np.asarray(ts).astype(np.float32)
+            values = host.astype(np.float32)
         if not bool(np.all(np.isfinite(values))):
             # the forward would be finite, but 0 * inf in the derivatives of the gate (default, no_gate) or of
             # exp(-ts ...) (pure) makes every parameter gradient of the batch NaN
