@@ -1016,7 +1016,9 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
         const float f = p0;
         const float awt = fabsf(wt);
         const float e = expf(-tst * (awt + fabsf(f)));
-        const float df = dh * (-Ap * e * (1.f - tst * f * Sign(f)));
+        // e (1 - ts |f|) as e - (e ts) |f|: for a huge finite ts, ts |f| overflows to inf while e underflows to 0,
+        // and 0 * inf was NaN (the reference's autodiff gives 0 there)
+        const float df = dh * (-Ap * (e - (e * tst) * fabsf(f)));
         gA += dh * (1.f - e * f);
         gtau += dh * (Ap * f * e * tst * Sign(wt));
         dts_part = dh * Ap * f * e * (awt + fabsf(f));
@@ -1182,7 +1184,7 @@ __device__ __forceinline__ UnitCoef MakeUnitCoef(int mode, float tst, float p0, 
   if (mode == kPure) {
     const float f = p0, awt = fabsf(wt);
     const float e = expf(-tst * (awt + fabsf(f)));
-    c.a1 = -Ap * e * (1.f - tst * f * Sign(f));
+    c.a1 = -Ap * (e - (e * tst) * fabsf(f));  // not e (1 - ts |f|): 0 * inf for a huge finite ts (see cfc_bwd_kernel)
     c.a2 = 1.f - e * f;
     c.m1 = Ap * f * e * tst * Sign(wt);
     c.dd = Ap * f * e * (awt + fabsf(f));
