@@ -21,19 +21,20 @@ would add q_j . b_k / sqrt(d) to every score of head j, which the softmax cancel
 effect and a zero gradient), and the value bias reaches the output only as W_o b_v (the weights sum
 to 1), which b_o already represents; so only b_o is kept.
 
-On CUDA (``ffi/attention_pool.cu``; by default from B T >= 16384 rows on, at any size with
-``JAXFOX_OPT_IN_KERNELS=attention_pool``) K and V are never
-formed: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d), c_j = sum_t alpha[j, t] h_t and
-pv_{D_j} = c_j W_v[:, D_j]. The kernels do the per-sample streaming part (scores, masked softmax, c; and
+On CUDA K and V are never formed: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d),
+c_j = sum_t alpha[j, t] h_t and pv_{D_j} = c_j W_v[:, D_j]. By default XLA runs that factored form (``_factored``:
+batched einsums, differentiated by JAX), which the H200 measured faster than both the reference form and the
+kernels at every benchmarked size (fwd+bwd, BENCHMARKS.md "thirty-first session": 1.22x the reference at 2048 rows,
+B=32 T=64 H=128; 1.75x at 16384 rows, where the kernels gave 1.25x; 2.45x at the aux trainer's B=16384 T=16 H=64,
+parameter gradients only, where the kernels gave 1.51x). The kernels (``ffi/attention_pool.cu``) run with
+``JAXFOX_OPT_IN_KERNELS=attention_pool``: they do the per-sample streaming part (scores, masked softmax, c; and
 in the backward d alpha -> softmax backward -> d hs and d u), each CTA holding the rows of G <= max(1, 64 // T)
 whole samples in shared memory (as many as fit in 96 KiB); u, pv, pooled and every parameter gradient are
-batched XLA GEMMs over all samples. Sums run in a fixed order without atomics (d u: per-block partials added by
-:func:`jaxfox.reduce_axis0`'s kernel), so results are bitwise reproducible; a sample's alpha comes from the
-kernel alone and does not depend on the rest of the batch (pooled and d hs also pass through XLA's batched
-GEMMs, whose algorithm may depend on the batch size). Shapes where one sample does not fit in 96 KiB (about
-T H > 23000 at 4 heads) run the reference on CUDA too. H200, fwd+bwd (BENCHMARKS.md "twenty-eighth session"):
-0.86x XLA at 2048 rows (B=32 T=64 H=128, hence XLA there by default), 1.23x at 16384 rows, 1.54x at the aux
-trainer's B=16384 T=16 H=64 (parameter gradients only).
+batched XLA GEMMs over all samples. Their sums run in a fixed order without atomics (d u: per-block partials
+added by :func:`jaxfox.reduce_axis0`'s kernel), so results are bitwise reproducible, and a sample's alpha comes
+from the kernel alone and does not depend on the rest of the batch (pooled and d hs also pass through XLA's
+batched GEMMs, whose algorithm may depend on the batch size). Shapes where one sample does not fit in 96 KiB
+(about T H > 23000 at 4 heads) run the factored XLA form even when opted in.
 """
 
 from __future__ import annotations
@@ -141,6 +142,34 @@ def _reference(num_heads, params, hs, mask):
     return _output(params, pv, mask), alpha
 
 
+def _score_vectors(params, n):
+    """u [H, n]: column j is W_k[:, D_j] q_{D_j} / sqrt(d), so that s[j, t] = h_t . u_j (K never formed)."""
+    H = params["w_k"].shape[0]
+    d = H // n
+    return jnp.einsum("hjd,jd->hj", params["w_k"].reshape(H, n, d), params["q"].reshape(n, d)) / jnp.float32(
+        math.sqrt(d))
+
+
+def _head_values(params, c):
+    """pv [B, H] from c [B, n, H]: pv_{D_j} = c_j W_v[:, D_j] (V never formed)."""
+    B, n, H = c.shape
+    return jnp.einsum("bjh,hjd->bjd", c, params["w_v"].reshape(H, n, H // n)).reshape(B, H)
+
+
+def _factored(num_heads, params, hs, mask):
+    """The same function in the kernel path's factoring, in pure JAX (the default on CUDA): the scores as hs u with
+    u = W_k q / sqrt(d) [H, n] (K never formed), c_j = alpha_j hs [B, n, H], and pv_j = c_j W_v[:, head j] (V never
+    formed), so the reference's [B, T, H] x [H, H] products are gone; JAX differentiates it."""
+    x = hs.astype(jnp.float32)
+    u = _score_vectors(params, num_heads)                                              # [H, n]
+    s = jnp.einsum("bth,hj->bjt", x, u)
+    where = None if mask is None else mask[:, None, :]
+    alpha = jax.nn.softmax(s, axis=-1, where=where)                            # [B, n, T] float32
+    c = jnp.einsum("bjt,bth->bjh", alpha, x)                                   # [B, n, H]
+    pv = _head_values(params, c)
+    return _output(params, pv, mask), alpha
+
+
 def _output(params, pv, mask):
     """pooled = pv W_o + b_o [B, H]; b_o only for samples with a valid step (all of them when mask is None)."""
     bias = params["b_o"] if mask is None else jnp.where(jnp.any(mask, axis=1)[:, None], params["b_o"], 0.0)
@@ -221,25 +250,20 @@ _stream.defvjp(_stream_fwd, _stream_bwd, symbolic_zeros=True)
 
 
 def _kernel_path(cfg, params, hs, mask):
-    B, T, H = hs.shape
-    n = cfg.num_heads
-    d = H // n
+    B, T, _ = hs.shape
     valid = jnp.ones((B, T), jnp.bool_) if mask is None else mask
-    u = jnp.einsum("hjd,jd->hj", params["w_k"].reshape(H, n, d), params["q"].reshape(n, d)) / jnp.float32(
-        math.sqrt(d))                                                          # [H, n]
+    u = _score_vectors(params, cfg.num_heads)                                              # [H, n]
     alpha, c = _stream(cfg, hs, valid, u)
-    pv = jnp.einsum("bjh,hjd->bjd", c, params["w_v"].reshape(H, n, d)).reshape(B, H)
+    pv = _head_values(params, c)
     return _output(params, pv, mask), alpha
-
-
-# The kernels run by default from this many rows B T on (the H200 numbers are in the module docstring: slower than
-# XLA at 2048 rows, faster at 16384); JAXFOX_OPT_IN_KERNELS=attention_pool runs them at any size.
-_KERNEL_MIN_ROWS = 16384
 
 
 def _dispatch(cfg, params, hs, mask):
     def reference(params, hs, mask):
         return _reference(cfg.num_heads, params, hs, mask)
+
+    def factored(params, hs, mask):
+        return _factored(cfg.num_heads, params, hs, mask)
 
     def kernel(params, hs, mask):
         return _kernel_path(cfg, params, hs, mask)
@@ -247,10 +271,11 @@ def _dispatch(cfg, params, hs, mask):
     B, T, H = hs.shape
     if T == 0 and mask is None:
         mask = jnp.zeros((B, 0), jnp.bool_)  # no step is valid: pooled = 0 (no b_o), as with any [B, 0] mask
-    if (B == 0 or T == 0 or cfg.samples_per_block < 1
-            or not (B * T >= _KERNEL_MIN_ROWS or kernel_opted_in("attention_pool"))):
+    if B == 0 or T == 0:
         return reference(params, hs, mask)
-    return dispatch(kernel, reference, params, hs, mask, batch=(False, True, True))
+    # the kernels are opt-in: the factored XLA form was faster on the H200 at every benchmarked size (docstring)
+    cuda = kernel if cfg.samples_per_block >= 1 and kernel_opted_in("attention_pool") else factored
+    return dispatch(cuda, reference, params, hs, mask, batch=(False, True, True))
 
 
 def attention_pool(params, hs, mask=None, *, num_heads=4):
@@ -272,8 +297,8 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
       head (sum to 1 over the valid steps, exactly 0 at masked steps; all 0 for a sample with no
       valid step, whose pooled is 0 too).
 
-    Differentiable in params and hs (``jax.custom_vjp`` over the forward and backward kernels on
-    CUDA from 16384 rows on; autodiff of the reference elsewhere); the gradient for hs has hs's dtype. On the
+    Differentiable in params and hs (autodiff of the factored XLA form on CUDA, of the reference elsewhere;
+    ``jax.custom_vjp`` over the forward and backward kernels with ``JAXFOX_OPT_IN_KERNELS=attention_pool``); the gradient for hs has hs's dtype. On the
     kernel path only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives
     raise there (trace them inside :func:`jaxfox.use_reference`).
     A sample with every step masked gets zero gradients and leaves the other samples unchanged.

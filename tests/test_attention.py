@@ -137,11 +137,21 @@ CONFIGS = [  # (B, T, H, n)
 ]
 
 
+@pytest.fixture(params=["reference", "factored"])
+def path(request, monkeypatch):
+    """Each test runs twice: on this machine's path (the reference) and on CUDA's default path,
+    attention._factored (K and V never formed), run here through a patched dispatch."""
+    if request.param == "factored":
+        monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
+        monkeypatch.setattr(attn_mod, "dispatch", lambda cuda_fn, reference_fn, *a, **k: cuda_fn(*a))
+    return request.param
+
+
 # ----------------------------------------------------------------------------------------------
 # Values.
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("B,T,H,n", CONFIGS)
-def test_matches_float64_oracle(B, T, H, n, masked):
+def test_matches_float64_oracle(B, T, H, n, masked, path):
     params, hs, mask = _setup(B, T, H, n, seed=B + T + H + n, masked=masked)
     pooled, alpha = attention_pool(params, jnp.asarray(hs), None if mask is None else jnp.asarray(mask), num_heads=n)
     want_p, want_a = np_attention_pool(params, hs, mask, n)
@@ -178,7 +188,7 @@ def test_alpha_semantics_match_jax_softmax_where():
 # Gradients.
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("B,T,H,n", CONFIGS[:3])
-def test_grads_match_oracle_finite_differences(B, T, H, n, masked):
+def test_grads_match_oracle_finite_differences(B, T, H, n, masked, path):
     params, hs, mask = _setup(B, T, H, n, seed=11 + B + n, masked=masked)
     r1, r2 = _weights(B, T, H, n, seed=B)
     gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
@@ -189,7 +199,7 @@ def test_grads_match_oracle_finite_differences(B, T, H, n, masked):
     assert np.abs(wp["w_k"]).max() > 1e-3 and np.abs(wp["q"]).max() > 1e-3  # score path is exercised
 
 
-def test_check_grads():
+def test_check_grads(path):
     params, hs, mask = _setup(2, 4, 8, 2, seed=5)
     r1, r2 = _weights(2, 4, 8, 2)
 
@@ -201,7 +211,7 @@ def test_check_grads():
 
 # ----------------------------------------------------------------------------------------------
 # Edge cases.
-def test_all_masked_sample():
+def test_all_masked_sample(path):
     B, T, H, n = 4, 6, 8, 2
     params, hs, mask = _setup(B, T, H, n, seed=21, all_masked=(2,))
     hs[2] = 1e3 * np.random.default_rng(0).standard_normal((T, H))  # large values there change nothing
@@ -229,7 +239,7 @@ def test_all_masked_sample():
     np.testing.assert_allclose(np.asarray(gh)[keep], np.asarray(gh2), rtol=3e-5, atol=1e-6)
 
 
-def test_every_sample_masked():
+def test_every_sample_masked(path):
     params, hs, _ = _setup(3, 4, 8, 2)
     mask = np.zeros((3, 4), bool)
     r1, r2 = _weights(3, 4, 8, 2)
@@ -240,7 +250,7 @@ def test_every_sample_masked():
         assert np.all(np.asarray(leaf) == 0.0)
 
 
-def test_single_valid_step():
+def test_single_valid_step(path):
     B, T, H, n = 3, 7, 8, 2
     params, hs, mask = _setup(B, T, H, n, seed=31, single=(1,))
     pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
@@ -288,7 +298,7 @@ def _large_logit_case(kind):
 
 
 @pytest.mark.parametrize("kind", ["q", "h"])
-def test_large_logits(kind):
+def test_large_logits(kind, path):
     params, hs, mask, n = _large_logit_case(kind)
     pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
     want_p, want_a = np_attention_pool(params, hs, mask, n)
@@ -313,7 +323,7 @@ def test_large_logits(kind):
             _assert_f32_close(gp[k], wp[k], tol=1e-5)
 
 
-def test_bfloat16_hs_keeps_float32_softmax():
+def test_bfloat16_hs_keeps_float32_softmax(path):
     B, T, H, n = 3, 9, 8, 2
     params, hs, mask = _setup(B, T, H, n, seed=51)
     params = dict(params)
@@ -645,15 +655,22 @@ def test_rows_beyond_the_shared_memory_run_the_reference(monkeypatch):
     assert "jaxfox_attention_pool_fwd" in text
 
 
-def test_default_kernel_threshold_without_opt_in(monkeypatch):
-    """Without JAXFOX_OPT_IN_KERNELS the kernels run from _KERNEL_MIN_ROWS = 16384 rows B T on (where the H200
-    measured them faster than XLA) and the reference below: the default rule, not the opt-in, decides."""
+def test_cuda_default_is_the_factored_form_and_the_kernels_are_opt_in(monkeypatch):
+    """With kernels available, the default CUDA path is attention._factored at every size (the H200 measured it
+    faster than the kernels at 2048, 16384 and 262144 rows), with no jaxfox custom call; JAXFOX_OPT_IN_KERNELS=
+    attention_pool runs the kernels instead."""
     import jaxfox._ffi
     import jaxfox.attention as attn_mod
 
     monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
-    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
-    assert attn_mod._KERNEL_MIN_ROWS == 16384
+    calls = []
+    factored = attn_mod._factored
+
+    def spy(*args):
+        calls.append(args[2].shape)
+        return factored(*args)
+
+    monkeypatch.setattr(attn_mod, "_factored", spy)
     params = random_params(8, 2)
 
     def lowered(B, T):
@@ -661,10 +678,14 @@ def test_default_kernel_threshold_without_opt_in(monkeypatch):
         return jax.jit(lambda p, h: attention_pool(p, h, num_heads=2)[0]).trace(params, hs).lower(
             lowering_platforms=("cuda",)).as_text()
 
-    assert "jaxfox_attention_pool_fwd" in lowered(256, 64)       # 16384 rows
-    assert "jaxfox_attention_pool_fwd" in lowered(1024, 16)      # the aux trainer's T, 16384 rows
-    assert "jaxfox_attention_pool" not in lowered(255, 64)       # 16320 rows
-    assert "jaxfox_attention_pool" not in lowered(32, 64)        # the main job's 2048 rows
+    monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
+    for B, T in ((32, 64), (256, 64), (1024, 16)):     # the main job's 2048 rows, 16384 rows, the aux trainer's T
+        assert "jaxfox_attention_pool" not in lowered(B, T)
+        assert calls[-1] == (B, T, 8)
+    n_calls = len(calls)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "attention_pool")
+    assert "jaxfox_attention_pool_fwd" in lowered(32, 64)
+    assert len(calls) == n_calls
 
 
 def test_no_steps_without_a_mask_gives_zero_like_an_all_false_mask():

@@ -95,7 +95,8 @@ def test_bench_case_kernel_path_lowers_for_cuda(name, index, monkeypatch):
         pytest.skip(f"{variant.label}: {e}")
     loop = _make_loop(spec.kernel_builder(), 1, 1, variant.stateful)
     text = jax.jit(loop).trace(*spec.inputs).lower(lowering_platforms=("cuda",)).as_text()
-    xla_only = variant.reference_only or name in _XLA_ROWS or variant.label.startswith(_XLA_SMALL.get(name, ()))
+    xla_only = (variant.reference_only or name in _XLA_ROWS or variant.label.startswith(_XLA_SMALL.get(name, ()))
+                or (name in _OPT_IN_ROWS and not variant.label.endswith(_OPT_IN_ROWS[name])))
     assert ("custom_call @jaxfox_" in text) != xla_only, (name, variant.label)
 
 
@@ -104,6 +105,8 @@ def test_bench_case_kernel_path_lowers_for_cuda(name, index, monkeypatch):
 # shapes on the H200)
 _XLA_ROWS = ("ema_update", "cast_bf16")
 _XLA_SMALL = {"iql_pair": ("fwd+bwd",), "aux_step": ("iql_pair", "iqn")}
+# ops whose default path is XLA and whose kernels have rows of their own (labels ending so), traced opted in
+_OPT_IN_ROWS = {"attention_pool": "kernel (opt-in)"}
 
 
 def test_opt_in_names_unknown_are_ignored_with_a_warning(monkeypatch):

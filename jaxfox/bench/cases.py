@@ -179,40 +179,54 @@ def attention_pool_case(size: str) -> list[Variant]:
 
     hs [B, T, H] with H = 128 (16 small), 4 heads, no mask; rows = B x T (2048 and 16384 by default); and the
     aux attention trainer's shape, B = 16384, T = 16, H = 64, differentiated w.r.t. the parameters only.
-    The kernels run by default from 16384 rows B T on (jaxfox.attention._KERNEL_MIN_ROWS); below that the jaxfox
-    path is XLA unless JAXFOX_OPT_IN_KERNELS=attention_pool.
+    Each shape has two rows: the default jaxfox path (XLA runs the factored form, jaxfox.attention._factored;
+    traced with attention_pool out of JAXFOX_OPT_IN_KERNELS) and the kernels (``kernel (opt-in)``: traced with
+    attention_pool opted in).
     """
     import jaxfox
+
+    def rows(label, make_builder, key, shape, params):
+        def setup(opt_in):
+            p = jaxfox.attention_pool_init(jax.random.key(key), shape[2], num_heads=4)
+            hs, w = _normal(key + 1, shape), _normal(key + 2, (shape[2],))
+            inner = make_builder(w)
+
+            def builder():
+                op = inner()
+
+                def traced(*args):
+                    with _opted_in("attention_pool", opt_in):  # no effect on the reference path
+                        return op(*args)
+
+                return traced
+
+            return CaseSpec(builder, None, (p, hs), None, None)
+
+        return [Variant("attention_pool", label, lambda: setup(False), params=params),
+                Variant("attention_pool", f"{label}, kernel (opt-in)", lambda: setup(True),
+                        params=dict(params, kernel=True))]
+
+    def pooled(p, x):
+        return jaxfox.attention_pool(p, x)[0]
 
     H = 16 if size == "small" else 128
     out = []
     for B, T in _ROW_SHAPES[size]:
-        def setup(B=B, T=T):
-            params = jaxfox.attention_pool_init(jax.random.key(5), H, num_heads=4)
-            hs, w = _normal(6, (B, T, H)), _normal(7, (H,))
-
-            builder = _weighted_sum_grad(lambda p, x: jaxfox.attention_pool(p, x)[0], w)
-            return CaseSpec(builder, None, (params, hs), None, None)
-
-        out.append(Variant("attention_pool", f"fwd+bwd B={B} T={T} H={H} ({B * T} rows)", setup,
-                           params={"B": B, "T": T, "H": H}))
+        out += rows(f"fwd+bwd B={B} T={T} H={H} ({B * T} rows)", lambda w: _weighted_sum_grad(pooled, w), 6,
+                    (B, T, H), {"B": B, "T": T, "H": H})
 
     # the aux attention trainer's shape (jaxfox.models.aux): the gradient w.r.t. the parameters only (hs is data)
     Ba, Ta, Ha = (64, 16, 16) if size == "small" else (16384, 16, 64)
 
-    def setup_aux():
-        params = jaxfox.attention_pool_init(jax.random.key(8), Ha, num_heads=4)
-        hs, w = _normal(9, (Ba, Ta, Ha)), _normal(10, (Ha,))
-
+    def params_only(w):
         def builder():
             def op(params, x):
-                return jax.value_and_grad(lambda p: jnp.sum(jaxfox.attention_pool(p, x)[0] * w))(params)
+                return jax.value_and_grad(lambda p: jnp.sum(pooled(p, x) * w))(params)
             return op
+        return builder
 
-        return CaseSpec(builder, None, (params, hs), None, None)
-
-    out.append(Variant("attention_pool", f"fwd+bwd params only B={Ba} T={Ta} H={Ha} (aux trainer)", setup_aux,
-                       params={"B": Ba, "T": Ta, "H": Ha, "params_only": True}))
+    out += rows(f"fwd+bwd params only B={Ba} T={Ta} H={Ha} (aux trainer)", params_only, 9, (Ba, Ta, Ha),
+                {"B": Ba, "T": Ta, "H": Ha, "params_only": True})
     return out
 
 
@@ -629,12 +643,16 @@ _OPTIM_SIZES = {"small": [1 << 16], "default": [1 << 20, 10_000_000, 1 << 24], "
 
 
 @contextlib.contextmanager
-def _opted_in(name: str):
-    """``name`` added to JAXFOX_OPT_IN_KERNELS while the body runs (wrap the tracing of the jaxfox path)."""
-    from jaxfox._ffi import OPT_IN_ENV, opted_in_names
+def _opted_in(name: str, on: bool = True):
+    """JAXFOX_OPT_IN_KERNELS with ``name`` added (``on``) or removed (``all`` spelt out without it) while the body
+    runs (wrap the tracing of the jaxfox path)."""
+    from jaxfox._ffi import OPT_IN, OPT_IN_ENV, opted_in_names
 
     old = os.environ.get(OPT_IN_ENV)
-    os.environ[OPT_IN_ENV] = ",".join(sorted(opted_in_names() | {name}))
+    names = opted_in_names()
+    if not on and "all" in names:
+        names = set(OPT_IN)
+    os.environ[OPT_IN_ENV] = ",".join(sorted(names | {name} if on else names - {name}))
     try:
         yield
     finally:
