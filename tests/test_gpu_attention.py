@@ -138,6 +138,21 @@ def test_kernel_matches_reference(B, T, H, n, mask_kind):
     _compare(_run(step, params, hs, mask), _run(step, params, hs, mask, reference=True))
 
 
+@pytest.mark.parametrize("B,T,H,n,mask_kind", [CASES[1], CASES[2], CASES[4], CASES[7], CASES[8], (1024, 16, 64, 4, "none")])
+def test_default_factored_path_matches_reference(B, T, H, n, mask_kind, monkeypatch):
+    """The default CUDA path (no opt-in): XLA runs attention._factored, no jaxfox custom call; values and gradients
+    as the reference's (both at "highest" precision), masks included."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
+    params = _params(H, n, seed=B + T)
+    hs, mask = _inputs(B, T, H, seed=B * T, mask_kind=mask_kind)
+    step = _make_step(n, *_weights(B, T, H, n))
+    with jax.default_matmul_precision("highest"):
+        fn = jax.jit(step)
+        assert "jaxfox_" not in fn.lower(params, hs, mask).as_text()
+        got = jax.tree.map(np.asarray, fn(params, hs, mask))
+    _compare(got, _run(step, params, hs, mask, reference=True))
+
+
 def test_bfloat16_hs():
     B, T, H, n = 32, 64, 128, 4
     params = _params(H, n, seed=1)
