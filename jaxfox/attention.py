@@ -198,7 +198,7 @@ def _smem_bytes(G, T, H, n):
 
 def _samples_per_block(T, H, n):
     """G: the most whole samples a CTA holds, at most max(1, 64 // T) and within _SMEM_LIMIT; 0 when one sample
-    does not fit (the reference runs). A function of the shape only, as is the order of the d u sum."""
+    does not fit (the factored XLA form runs). A function of the shape only, as is the order of the d u sum."""
     G = max(1, _BLOCK_ROWS // max(T, 1))
     while G > 0 and _smem_bytes(G, T, H, n) > _SMEM_LIMIT:
         G -= 1
@@ -288,7 +288,9 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
         converted to float32 before any arithmetic (projections, softmax and sums are float32).
       mask: [B, T] bool, True where a step is valid, or None (all valid; with T = 0 no step is, so pooled is 0).
         Masked steps get weight 0, but their hs still enter the sums as 0 * h_t (as in PyTorch's attention): pad
-        them with finite values (a NaN or Inf at a masked step makes the sample's pooled NaN).
+        them with small finite values such as 0 (a NaN or Inf at a masked step makes the sample's pooled NaN; so
+        may a value so large that a product with the weights overflows float32: the reference forms h_t W_v, the
+        factored form does not, so the two paths can differ there).
       num_heads: n, must divide H and match the ``num_heads`` the params were made for (the
         parameter shapes do not record it).
 

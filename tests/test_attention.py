@@ -635,21 +635,25 @@ def test_block_choice():
         G = spb(T, H, n)
         assert 1 <= G < 64 // T and attn_mod._smem_bytes(G, T, H, n) <= attn_mod._SMEM_LIMIT
         assert attn_mod._smem_bytes(G + 1, T, H, n) > attn_mod._SMEM_LIMIT
-    # one sample that does not fit: 0 (the reference runs)
+    # one sample that does not fit: 0 (the factored XLA form runs)
     assert attn_mod._smem_bytes(1, 1000, 128, 4) > attn_mod._SMEM_LIMIT and spb(1000, 128, 4) == 0
 
 
-def test_rows_beyond_the_shared_memory_run_the_reference(monkeypatch):
-    """A shape whose block does not fit runs the reference even when opted in with kernels available."""
+def test_rows_beyond_the_shared_memory_run_the_factored_form(monkeypatch):
+    """A shape whose block does not fit runs the factored XLA form even when opted in with kernels available."""
     import jaxfox._ffi
+    import jaxfox.attention as attn_mod
 
     monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "attention_pool")
+    calls = []
+    factored = attn_mod._factored
+    monkeypatch.setattr(attn_mod, "_factored", lambda *a: calls.append(a[2].shape) or factored(*a))
     params = random_params(128, 4)
     hs = jnp.zeros((2, 1000, 128), jnp.float32)
     text = jax.jit(lambda p, h: attention_pool(p, h)[0]).trace(params, hs).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "jaxfox_attention_pool" not in text
+    assert "jaxfox_attention_pool" not in text and calls == [(2, 1000, 128)]
     text = jax.jit(lambda p, h: attention_pool(p, h)[0]).trace(params, hs[:, :64]).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "jaxfox_attention_pool_fwd" in text

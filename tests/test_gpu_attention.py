@@ -143,12 +143,16 @@ def test_default_factored_path_matches_reference(B, T, H, n, mask_kind, monkeypa
     """The default CUDA path (no opt-in): XLA runs attention._factored, no jaxfox custom call; values and gradients
     as the reference's (both at "highest" precision), masks included."""
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
+    calls = []
+    factored = jaxfox.attention._factored
+    monkeypatch.setattr(jaxfox.attention, "_factored", lambda *a: calls.append(a[2].shape) or factored(*a))
     params = _params(H, n, seed=B + T)
     hs, mask = _inputs(B, T, H, seed=B * T, mask_kind=mask_kind)
     step = _make_step(n, *_weights(B, T, H, n))
     with jax.default_matmul_precision("highest"):
         fn = jax.jit(step)
         assert "jaxfox_" not in fn.lower(params, hs, mask).as_text()
+        assert calls and all(c == (B, T, H) for c in calls)  # the factored form ran, not the reference
         got = jax.tree.map(np.asarray, fn(params, hs, mask))
     _compare(got, _run(step, params, hs, mask, reference=True))
 
