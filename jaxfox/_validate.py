@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_array", "positive_int"]
+__all__ = ["check_array", "is_concrete", "positive_int", "real_scalar"]
+
+
+def is_concrete(x) -> bool:
+    """True unless ``x`` is a tracer (a value known only when the jitted function runs)."""
+    return not isinstance(x, jax.core.Tracer)
 
 
 def check_array(name, x, shape, dtype=jnp.float32):
@@ -24,3 +32,44 @@ def positive_int(name, value, minimum=1):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def real_scalar(name, value, lo=None, hi=None, *, lo_open=False, hi_open=False, traced=True):
+    """A real scalar hyperparameter (a mixing weight, an exponent, a learning rate, ...), checked before anything runs.
+
+    Accepts a Python or NumPy int/float, or a 0-d integer/floating array (NumPy or JAX; a tracer when ``traced``,
+    e.g. a schedule's value inside ``jax.jit`` or what ``optax.inject_hyperparams`` passes).
+
+    Returns:
+      a concrete value as a Python float, after checking it is finite and within [lo, hi] (``lo_open`` /
+      ``hi_open``: that end excluded; None: unbounded); a tracer unchanged (its value is unknown: not checked).
+
+    Raises:
+      TypeError: ``value`` is a bool (Python's, NumPy's, or a bool array: True is not a weight of 1.0), not a
+        number or array, of a non-real dtype, or traced when ``traced`` is False.
+      ValueError: an array of shape other than [], or a concrete value that is not finite or out of range.
+    """
+    is_array = hasattr(value, "dtype") and hasattr(value, "shape")
+    if isinstance(value, (bool, np.bool_)) or (is_array and jnp.dtype(value.dtype) == jnp.dtype(bool)):
+        raise TypeError(f"{name} must be a real scalar, got a bool ({value!r})")
+    if is_array:
+        dt = jnp.dtype(value.dtype)
+        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+            raise TypeError(f"{name} must be a real scalar, got a {dt} array")
+        if tuple(value.shape) != ():
+            raise ValueError(f"{name} must be a scalar (shape []), got shape {tuple(value.shape)}")
+        if not is_concrete(value):
+            if not traced:
+                raise TypeError(f"{name} must be a concrete real scalar (it is used at trace time), got a traced "
+                                f"value")
+            return value
+    elif not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real scalar, got {type(value).__name__}")
+    v = float(np.asarray(value, np.float64))
+    ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (
+        hi is None or (v < hi if hi_open else v <= hi))
+    if not ok:
+        rng = (("(" if lo_open else "[") + f"{lo:g}" if lo is not None else "(-inf") + ", " + (
+            f"{hi:g}" + (")" if hi_open else "]") if hi is not None else "inf)")
+        raise ValueError(f"{name} must be finite and in {rng}, got {v!r}")
+    return v

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._validate import is_concrete as _is_concrete
 
 __all__ = ["branching_dueling_logits", "categorical_projection", "categorical_double_q_loss"]
 
@@ -78,10 +79,6 @@ def _check_logit_dtype(name, x):
 def _check_float_dtype(name, x):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype (it is used as float32), got {x.dtype}")
-
-
-def _is_concrete(x):
-    return not isinstance(x, jax.core.Tracer)
 
 
 def _check_support(support, n_atoms=None, origin=""):

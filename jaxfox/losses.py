@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfox._validate import real_scalar as _real_scalar
+
 __all__ = ["expectile_loss", "quantile_huber_loss", "quantile_embedding", "cql_penalty"]
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -220,8 +222,10 @@ def cql_penalty(q_values, actions, alpha=1.0):
     OPS.md "Losses".
 
     Raises:
-      TypeError: q_values not float32/bfloat16; actions not an integer array; alpha not a number.
-      ValueError: A = 0; actions' shape is not q_values.shape[:-1]; a numeric or concrete alpha < 0 or not finite.
+      TypeError: q_values not float32/bfloat16; actions not an integer array; alpha not a real scalar (a bool, a
+        non-numeric value or array).
+      ValueError: A = 0; actions' shape is not q_values.shape[:-1]; alpha an array of shape other than []; a
+        concrete alpha < 0 or not finite.
     """
     _check_float_array("q_values", q_values, min_ndim=1)
     if q_values.shape[-1] < 1:
@@ -233,14 +237,7 @@ def cql_penalty(q_values, actions, alpha=1.0):
     if tuple(actions.shape) != tuple(q_values.shape[:-1]):
         raise ValueError(f"actions must have shape q_values.shape[:-1] = {tuple(q_values.shape[:-1])}, "
                          f"got {tuple(actions.shape)}")
-    if _is_python_number(alpha):
-        if not (math.isfinite(float(alpha)) and float(alpha) >= 0):
-            raise ValueError(f"alpha must be a finite float >= 0, got {alpha!r}")
-    elif not (hasattr(alpha, "shape") and tuple(alpha.shape) == () and jnp.issubdtype(alpha.dtype, jnp.floating)):
-        raise TypeError(f"alpha must be a float or a float scalar array, got {type(alpha).__name__}")
-    elif not isinstance(alpha, jax.core.Tracer) and not (np.isfinite(np.asarray(alpha, np.float64))
-                                                          and np.asarray(alpha, np.float64) >= 0):
-        raise ValueError(f"alpha must be a finite float >= 0, got {float(np.asarray(alpha, np.float64))!r}")
+    _real_scalar("alpha", alpha, 0.0)
     q = q_values.astype(jnp.float32)
     # jax.nn.logsumexp: max-subtracted like a hand-written one, and a +inf Q gives lse = +inf (inf - inf gave NaN)
     lse = jax.nn.logsumexp(q, axis=-1)

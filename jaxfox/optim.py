@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in
+from jaxfox._validate import real_scalar as _real_scalar
 
 __all__ = [
     "FlatParams", "flatten", "default_decay_mask", "FusedAdamWState", "FusedAdamW", "fused_adamw", "ema_update",
@@ -176,29 +177,6 @@ class FusedAdamWState(NamedTuple):
     count: jax.Array
     mu: Any
     nu: Any
-
-
-def _check_float_hyper(name, value, lo, hi=None, lo_open=False, hi_open=False):
-    """A hyperparameter as a Python float (range-checked), or a traced 0-d array returned unchecked (the values
-    ``optax.inject_hyperparams`` passes inside a jitted update; concrete 0-d arrays are checked like floats)."""
-    if hasattr(value, "dtype") and not isinstance(value, (np.integer, np.floating)):
-        dt = jnp.dtype(value.dtype)
-        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)) or tuple(np.shape(value)) != ():
-            raise TypeError(f"{name} must be a float or a 0-d float array, got {dt} array of shape "
-                            f"{tuple(np.shape(value))}")
-        if isinstance(value, jax.core.Tracer):
-            return value
-        value = np.asarray(value).item()
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    v = float(value)
-    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (
-        hi is None or (v < hi if hi_open else v <= hi))
-    if not ok:
-        rng = ("(" if lo_open else "[") + f"{lo}, " + (f"{hi}" if hi is not None else "inf") + (
-            ")" if hi_open or hi is None else "]")
-        raise ValueError(f"{name} must be finite and in {rng}, got {value!r}")
-    return v
 
 
 def _check_f32_tree(name, tree, like=None):
@@ -359,13 +337,13 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         params missing, a malformed mask.
     """
     if not callable(learning_rate):
-        learning_rate = _check_float_hyper("learning_rate", learning_rate, 0.0)
-    b1 = _check_float_hyper("b1", b1, 0.0, 1.0, hi_open=True)
-    b2 = _check_float_hyper("b2", b2, 0.0, 1.0, hi_open=True)
-    eps = _check_float_hyper("eps", eps, 0.0)
-    weight_decay = _check_float_hyper("weight_decay", weight_decay, 0.0)
+        learning_rate = _real_scalar("learning_rate", learning_rate, 0.0)
+    b1 = _real_scalar("b1", b1, 0.0, 1.0, hi_open=True)
+    b2 = _real_scalar("b2", b2, 0.0, 1.0, hi_open=True)
+    eps = _real_scalar("eps", eps, 0.0)
+    weight_decay = _real_scalar("weight_decay", weight_decay, 0.0)
     if max_grad_norm is not None:
-        max_grad_norm = _check_float_hyper("max_grad_norm", max_grad_norm, 0.0)
+        max_grad_norm = _real_scalar("max_grad_norm", max_grad_norm, 0.0)
     # Traced hyperparameters (optax.inject_hyperparams inside jit) cannot be kernel attributes: XLA then. A traced
     # learning rate alone is fine for the kernel (it is one of its device scalars).
     traced_hypers = any(isinstance(h, jax.core.Tracer) for h in (b1, b2, eps, weight_decay, max_grad_norm))
@@ -566,21 +544,12 @@ def ema_update(target, online, tau):
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             raise ValueError(f"online{where} must match target{where} {tuple(a.shape)} {a.dtype}, "
                              f"got {tuple(b.shape)} {b.dtype}")
-    is_array = hasattr(tau, "dtype")  # NumPy scalars (np.bool_ too), NumPy and JAX arrays, tracers
-    if (isinstance(tau, bool) or (is_array and not jnp.issubdtype(tau.dtype, jnp.number))
-            or not (is_array or isinstance(tau, (int, float)))):
-        raise TypeError(f"tau must be a float scalar, got {getattr(tau, 'dtype', type(tau).__name__)}")
-    if hasattr(tau, "shape") and tuple(tau.shape) != ():
-        raise ValueError(f"tau must be a scalar (shape []), got shape {tuple(tau.shape)}")
-    if not isinstance(tau, jax.core.Tracer):
-        t = float(np.asarray(tau))
-        if not 0.0 <= t <= 1.0:
-            raise ValueError(f"tau must be in [0, 1], got {t}")
-        if isinstance(tau, (int, float, np.integer, np.floating)):
-            if t == 0.0:
-                return jax.tree.map(jnp.asarray, target)
-            if t == 1.0:
-                return jax.tree.map(jnp.asarray, online)
+    t = _real_scalar("tau", tau, 0.0, 1.0)
+    if isinstance(tau, (int, float, np.integer, np.floating)):  # a Python/NumPy number (not an array): the ends exact
+        if t == 0.0:
+            return jax.tree.map(jnp.asarray, target)
+        if t == 1.0:
+            return jax.tree.map(jnp.asarray, online)
 
     def leaf(a, b):
         # at least float32: tau = 0.995 in bfloat16 is 0.99609375 (a 22 % error in 1 - tau), so narrow leaves are

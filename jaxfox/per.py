@@ -54,7 +54,7 @@ import numpy as np
 import optax
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call
-from jaxfox._validate import positive_int as _positive_int
+from jaxfox._validate import is_concrete as _is_concrete, positive_int as _positive_int, real_scalar as _real_scalar
 
 __all__ = [
     "PERState", "init", "add", "sample", "sample_items", "update", "probabilities", "prefix_sum",
@@ -84,10 +84,6 @@ class PERState(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------
 # Validation helpers (raise before anything runs; messages name the argument).
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _check_state(state, name="state"):
     if not isinstance(state, PERState):
         raise TypeError(f"{name} must be a PERState (from jaxfox.per.init), got {type(state).__name__}")
@@ -97,23 +93,6 @@ def _check_state(state, name="state"):
     if p.dtype != jnp.float32:
         raise TypeError(f"{name}.priorities must be float32, got {p.dtype}")
     return int(p.shape[0])
-
-
-def _scalar_hyper(name, value, lo, hi=None):
-    """A float scalar or a 0-d float array (possibly traced). Concrete values are range-checked."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) and not (
-            hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(f"{name} must be a float scalar, got {type(value).__name__}")
-    if hasattr(value, "dtype") and jnp.dtype(value.dtype) == jnp.dtype(bool):  # True would be taken as 1.0
-        raise TypeError(f"{name} must be a float scalar, got a bool array")
-    if hasattr(value, "shape") and tuple(value.shape) != ():
-        raise ValueError(f"{name} must be a scalar (shape []), got shape {tuple(value.shape)}")
-    if _is_concrete(value):
-        v = float(np.asarray(value))
-        if not (math.isfinite(v) and v >= lo and (hi is None or v <= hi)):
-            rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-            raise ValueError(f"{name} must be finite and in {rng}, got {v}")
-    return value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +327,7 @@ def probabilities(state: PERState, *, alpha) -> jax.Array:
       TypeError/ValueError: as :func:`sample` for state and alpha.
     """
     _check_state(state)
-    _scalar_hyper("alpha", alpha, 0.0)
+    _real_scalar("alpha", alpha, 0.0)
     return _probabilities_impl(state.priorities, state.size, alpha)
 
 
@@ -384,13 +363,13 @@ def sample(state: PERState, key, batch_size: int, *, alpha, beta):
 
     Raises:
       TypeError: state is not a PERState, alpha/beta are not numeric scalars (a bool or bool array is refused).
-      ValueError: batch_size is not an int >= 1; concrete alpha < 0 or beta outside [0, 1]; the
-        buffer is empty (concrete size 0).
+      ValueError: batch_size is not an int >= 1; alpha/beta arrays of shape other than []; concrete alpha < 0
+        or beta outside [0, 1]; the buffer is empty (concrete size 0).
     """
     _check_state(state)
     B = _positive_int("batch_size", batch_size)
-    _scalar_hyper("alpha", alpha, 0.0)
-    _scalar_hyper("beta", beta, 0.0, 1.0)
+    _real_scalar("alpha", alpha, 0.0)
+    _real_scalar("beta", beta, 0.0, 1.0)
     if _is_concrete(state.size) and int(np.asarray(state.size)) == 0:
         raise ValueError("sample: the buffer is empty (state.size == 0); add items first")
     return _sample_impl(state.priorities, state.size, key, B, alpha, beta)
@@ -564,20 +543,13 @@ def beta_schedule(total_steps: int, beta0: float = 0.4, beta1: float = 1.0):
       An optax schedule: step (int, may be traced) -> beta (float32 scalar).
 
     Raises:
-      ValueError: total_steps is not an int >= 1, or beta0/beta1 outside [0, 1].
-      TypeError: beta0/beta1 is not a real scalar (a bool, a traced value, an array of shape other than []).
+      ValueError: total_steps is not an int >= 1; beta0/beta1 outside [0, 1] or an array of shape other than [].
+      TypeError: beta0/beta1 is not a real scalar (a bool, a non-numeric value, a traced value).
     """
     T = _positive_int("total_steps", total_steps)
-    for name, b in (("beta0", beta0), ("beta1", beta1)):
-        # a Python/NumPy number or a concrete 0-d real array (jnp.float32(0.4) too); bools are refused
-        ok = (isinstance(b, (int, float, np.integer, np.floating)) and not isinstance(b, (bool, np.bool_))) or (
-            hasattr(b, "dtype") and hasattr(b, "shape") and tuple(b.shape) == () and _is_concrete(b)
-            and (jnp.issubdtype(b.dtype, jnp.floating) or jnp.issubdtype(b.dtype, jnp.integer)))
-        if not ok:
-            raise TypeError(f"{name} must be a real scalar (a float in [0, 1]), got {b!r}")
-        if not 0.0 <= float(b) <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {float(b)!r}")
-    return optax.linear_schedule(float(beta0), float(beta1), T)
+    b0 = _real_scalar("beta0", beta0, 0.0, 1.0, traced=False)
+    b1 = _real_scalar("beta1", beta1, 0.0, 1.0, traced=False)
+    return optax.linear_schedule(b0, b1, T)
 
 
 def linear_beta(step, total_steps: int, beta0: float = 0.4, beta1: float = 1.0):

@@ -381,8 +381,11 @@ def test_greedy_and_epsilon_greedy_match_numpy_and_refuse_bad_input():
     for bad_z in (z[:1], z[:-1], z[None]):
         with pytest.raises(ValueError, match=r"^z must have shape \[N\] = \[11\]"):
             greedy_actions(state.online, obs[:4], dan, bad_z)
-    for eps in (1.5, -0.1, float("nan"), True, np.ones(2)):
+    for eps in (1.5, -0.1, float("nan"), np.ones(2)):
         with pytest.raises(ValueError, match="^epsilon must be"):
+            epsilon_greedy(jax.random.key(0), state.online, obs[:4], dan, z, eps)
+    for eps in (True, np.bool_(False), "0.1"):
+        with pytest.raises(TypeError, match="^epsilon must be a real scalar"):
             epsilon_greedy(jax.random.key(0), state.online, obs[:4], dan, z, eps)
 
 

@@ -189,7 +189,7 @@ def test_adamw_under_inject_hyperparams(flat):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="learning_rate"):  # concrete arrays are range-checked
         optim.fused_adamw(jnp.asarray(-1e-3))
-    with pytest.raises(TypeError, match="b1 must be a float or a 0-d float array"):
+    with pytest.raises(ValueError, match=r"b1 must be a scalar \(shape \[\]\), got shape \(2,\)"):
         optim.fused_adamw(1e-3, b1=jnp.asarray([0.9, 0.9]))
 
 

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfox
 from jaxfox import per
-from jaxfox._validate import positive_int
+from jaxfox._validate import positive_int, real_scalar
 from jaxfox.sharding import batch_axis, batch_mesh, check_divisible
 
 __all__ = [
@@ -215,14 +215,11 @@ def epsilon_greedy(key, fp, obs, dan, z, epsilon, *, bf16=True):
     """Per branch independently: a uniform random action with probability epsilon, else greedy. [B, D] int32.
 
     Raises:
-      ValueError: a concrete epsilon is not a real scalar in [0, 1] (a traced one, e.g. a schedule under jit,
-        is not checked); as :func:`greedy_actions`.
+      TypeError: epsilon is not a real scalar (a bool, a non-numeric value or array).
+      ValueError: epsilon is an array of shape other than [], or a concrete epsilon is not in [0, 1] (a traced
+        one, e.g. a schedule under jit, is not checked); as :func:`greedy_actions`.
     """
-    if not isinstance(epsilon, jax.core.Tracer):
-        e = np.asarray(epsilon)
-        if (isinstance(epsilon, bool) or e.shape != () or not np.issubdtype(e.dtype, np.number)
-                or np.iscomplexobj(e) or not 0 <= e <= 1):
-            raise ValueError(f"epsilon must be a real scalar in [0, 1], got {epsilon!r}")
+    real_scalar("epsilon", epsilon, 0.0, 1.0)
     greedy = greedy_actions(fp, obs, dan, z, bf16=bf16)
     k1, k2 = jax.random.split(key)
     rand = jax.random.randint(k1, greedy.shape, 0, dan[1], dtype=jnp.int32)

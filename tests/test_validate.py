@@ -1,0 +1,71 @@
+"""jaxfox._validate.real_scalar: the one check of every real scalar hyperparameter (fused_adamw's, ema_update's tau,
+per's alpha/beta and beta_schedule, cql_penalty's alpha, epsilon_greedy's epsilon)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfox._validate import real_scalar
+
+
+@pytest.mark.parametrize("value", [0.25, 1, np.float32(0.25), np.int64(1), np.asarray(0.25), jnp.float32(0.25),
+                                   jnp.asarray(1, jnp.int32), jnp.bfloat16(0.25)])
+def test_concrete_real_scalars_come_back_as_python_floats(value):
+    got = real_scalar("x", value, 0.0, 1.0)
+    assert type(got) is float and got == float(np.asarray(value, np.float64))
+
+
+@pytest.mark.parametrize("kw,value,ok", [
+    ({}, 0.0, True), ({"lo_open": True}, 0.0, False), ({}, 1.0, True), ({"hi_open": True}, 1.0, False),
+    ({}, -1e-12, False), ({}, 1.0 + 1e-12, False), ({}, math.nan, False), ({}, math.inf, False),
+])
+def test_range_ends_open_and_closed(kw, value, ok):
+    if ok:
+        assert real_scalar("x", value, 0.0, 1.0, **kw) == value
+    else:
+        with pytest.raises(ValueError, match=r"^x must be finite and in [\[(]0, 1[\])], got"):
+            real_scalar("x", value, 0.0, 1.0, **kw)
+
+
+def test_unbounded_ends_and_message():
+    assert real_scalar("x", -5.0) == -5.0
+    with pytest.raises(ValueError, match=r"^lr must be finite and in \[0, inf\), got -1.0$"):
+        real_scalar("lr", -1, 0.0)
+    with pytest.raises(ValueError, match=r"^x must be finite and in \(-inf, inf\), got inf$"):
+        real_scalar("x", float("inf"))
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), jnp.asarray(True), np.asarray(False), "0.5", None,
+                                   [0.5], jnp.asarray(0.5 + 1j), np.asarray("a")])
+def test_bools_and_non_real_values_are_type_errors(value):
+    with pytest.raises(TypeError, match="^x must be a real scalar"):
+        real_scalar("x", value, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("value", [jnp.ones(2), np.zeros((1,)), jnp.zeros((1, 1))])
+def test_non_scalar_arrays_are_value_errors_naming_the_shape(value):
+    with pytest.raises(ValueError, match=rf"^x must be a scalar \(shape \[\]\), got shape {re_shape(value.shape)}$"):
+        real_scalar("x", value, 0.0, 1.0)
+
+
+def re_shape(shape):
+    return str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")
+
+
+def test_traced_values_pass_unchecked_unless_refused():
+    seen = []
+
+    def f(v):
+        got = real_scalar("x", v, 0.0, 1.0)
+        seen.append(got is v)
+        return got * 2
+
+    assert float(jax.jit(f)(5.0)) == 10.0      # out of range, but not known at trace time: not checked
+    assert seen == [True]
+    with pytest.raises(TypeError, match="^x must be a concrete real scalar"):
+        jax.jit(lambda v: real_scalar("x", v, traced=False))(0.5)
+    with pytest.raises(TypeError, match="^x must be a real scalar, got a bool"):  # a traced bool is still refused
+        jax.jit(lambda v: real_scalar("x", v))(True)
