@@ -55,7 +55,7 @@ def real_scalar(name, value, lo=None, hi=None, *, lo_open=False, hi_open=False, 
     if is_array:
         dt = jnp.dtype(value.dtype)
         if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
-            raise TypeError(f"{name} must be a real scalar, got a {dt} array")
+            raise TypeError(f"{name} must be a real scalar, got an array of dtype {dt}")
         if tuple(value.shape) != ():
             raise ValueError(f"{name} must be a scalar (shape []), got shape {tuple(value.shape)}")
         if not is_concrete(value):
@@ -69,7 +69,12 @@ def real_scalar(name, value, lo=None, hi=None, *, lo_open=False, hi_open=False, 
     ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (
         hi is None or (v < hi if hi_open else v <= hi))
     if not ok:
-        rng = (("(" if lo_open else "[") + f"{lo:g}" if lo is not None else "(-inf") + ", " + (
-            f"{hi:g}" + (")" if hi_open else "]") if hi is not None else "inf)")
-        raise ValueError(f"{name} must be finite and in {rng}, got {v!r}")
+        rng = (("(" if lo_open else "[") + _number(lo) if lo is not None else "(-inf") + ", " + (
+            _number(hi) + (")" if hi_open else "]") if hi is not None else "inf)")
+        raise ValueError(f"{name} must be finite and in {rng}, got {v if is_array else value!r}")
     return v
+
+
+def _number(x):
+    """A bound as written: 0 and 1 for 0.0 and 1.0, every digit otherwise (0.9999999 is not rounded to 1)."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 2 ** 53 else repr(float(x))

@@ -300,8 +300,8 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
       valid step, whose pooled is 0 too).
 
     Differentiable in params and hs (autodiff of the factored XLA form on CUDA, of the reference elsewhere;
-    ``jax.custom_vjp`` over the forward and backward kernels with ``JAXFOX_OPT_IN_KERNELS=attention_pool``); the gradient for hs has hs's dtype. On the
-    kernel path only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives
+    ``jax.custom_vjp`` over the forward and backward kernels with ``JAXFOX_OPT_IN_KERNELS=attention_pool``); the
+    gradient for hs has hs's dtype. On the kernel path only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives
     raise there (trace them inside :func:`jaxfox.use_reference`).
     A sample with every step masked gets zero gradients and leaves the other samples unchanged.
 

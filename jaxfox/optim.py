@@ -304,8 +304,8 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         the increment, 0 at the first update, like ``optax.scale_by_learning_rate``).
       b1, b2: moment decay rates in [0, 1).  eps: >= 0, added to sqrt(v_hat).
       weight_decay: decoupled decay rate >= 0, multiplied by the learning rate.
-      (learning_rate, b1, b2, eps, weight_decay and max_grad_norm may also be 0-d float arrays, traced ones
-      included, so ``optax.inject_hyperparams(fused_adamw)(learning_rate=...)`` works; concrete values are
+      (learning_rate, b1, b2, eps, weight_decay and max_grad_norm may also be 0-d float or integer arrays,
+      traced ones included, so ``optax.inject_hyperparams(fused_adamw)(learning_rate=...)`` works; concrete values are
       range-checked, traced ones cannot be. With traced b1, b2, eps, weight_decay or max_grad_norm, ``step``
       runs XLA's update, never the kernel, whose attributes are compile-time constants.)
       mask: which parameters are decayed. None: :func:`default_decay_mask` (leaves with
@@ -530,8 +530,8 @@ def ema_update(target, online, tau):
 
     Raises:
       TypeError: non-float leaves, or tau not a scalar number (a bool, Python or array, is refused).
-      ValueError: structures, shapes or dtypes differ (the message names the leaf), concrete tau
-        outside [0, 1] or NaN.
+      ValueError: structures, shapes or dtypes differ (the message names the leaf), tau an array of shape other
+        than [], concrete tau outside [0, 1] or NaN.
     """
     s1, s2 = jax.tree.structure(target), jax.tree.structure(online)
     if s1 != s2:

@@ -269,12 +269,14 @@ def test_config_number_fields_are_checked_by_make_aux():
     """kappa, target_tau, lr, weight_decay and max_grad_norm were not checked by make_aux: a string gave
     "'>' not supported between instances of 'str' and 'int'", kappa=inf or target_tau=True failed only when the
     step was traced (naming `kappa` / `tau`), a negative lr only in init (naming `learning_rate`)."""
-    for field, bad in (("kappa", "1"), ("kappa", True), ("kappa", float("inf")), ("kappa", 0.0), ("kappa", None),
-                       ("target_tau", True), ("target_tau", "0.1"), ("target_tau", None), ("target_tau", float("nan")),
-                       ("target_tau", 1.5), ("lr", -1e-3), ("lr", float("nan")), ("lr", "3e-4"),
-                       ("weight_decay", -1.0), ("weight_decay", float("inf")), ("max_grad_norm", -1.0),
-                       ("max_grad_norm", float("inf")), ("max_grad_norm", True)):
-        with pytest.raises(ValueError, match=rf"^config\.{field} must be"):
+    for field, bad in (("kappa", float("inf")), ("kappa", 0.0), ("target_tau", float("nan")), ("target_tau", 1.5),
+                       ("lr", -1e-3), ("lr", float("nan")), ("weight_decay", -1.0), ("weight_decay", float("inf")),
+                       ("max_grad_norm", -1.0), ("max_grad_norm", float("inf"))):
+        with pytest.raises(ValueError, match=rf"^config\.{field} must be finite and in"):
+            make_aux(SMALL, **{field: bad})
+    for field, bad in (("kappa", "1"), ("kappa", True), ("kappa", None), ("target_tau", True), ("target_tau", "0.1"),
+                       ("target_tau", None), ("lr", "3e-4"), ("max_grad_norm", True)):
+        with pytest.raises(TypeError, match=rf"^config\.{field} must be a real scalar"):
             make_aux(SMALL, **{field: bad})
     for ok in ({"max_grad_norm": None}, {"max_grad_norm": 0.0}, {"target_tau": 0}, {"target_tau": np.float32(1.0)},
                {"kappa": np.float64(2.0)}, {"lr": 0.0}, {"weight_decay": 0}):

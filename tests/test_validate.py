@@ -32,10 +32,14 @@ def test_range_ends_open_and_closed(kw, value, ok):
 
 def test_unbounded_ends_and_message():
     assert real_scalar("x", -5.0) == -5.0
-    with pytest.raises(ValueError, match=r"^lr must be finite and in \[0, inf\), got -1.0$"):
+    with pytest.raises(ValueError, match=r"^lr must be finite and in \[0, inf\), got -1$"):
         real_scalar("lr", -1, 0.0)
     with pytest.raises(ValueError, match=r"^x must be finite and in \(-inf, inf\), got inf$"):
         real_scalar("x", float("inf"))
+    with pytest.raises(ValueError, match=r"^x must be finite and in \[0, 0.9999999\], got 1.0$"):  # no rounding
+        real_scalar("x", 1.0, 0, 0.9999999)
+    with pytest.raises(ValueError, match=r"^x must be finite and in \[0, 1\], got 2.0$"):  # an array's value
+        real_scalar("x", jnp.float32(2), 0, 1)
 
 
 @pytest.mark.parametrize("value", [True, False, np.bool_(True), jnp.asarray(True), np.asarray(False), "0.5", None,

@@ -52,6 +52,7 @@ import numpy as np
 import optax
 
 import jaxfox
+from jaxfox._validate import positive_int, real_scalar
 
 __all__ = ["AuxConfig", "TrainerState", "AuxState", "AuxTrainers", "make_aux", "iql_init", "iql_values",
            "iqn_init", "iqn_quantiles", "attention_init", "attention_predict", "synthetic_batch"]
@@ -108,18 +109,14 @@ class AuxState(NamedTuple):
 
 
 def _check_config(cfg: AuxConfig):
-    def pos_int(name, v):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"config.{name} must be an int >= 1, got {v!r}")
-
     for name in ("obs_dim", "iqn_hidden", "n_quantiles", "n_target_quantiles", "n_cos", "seq_len", "seq_dim",
                  "num_heads"):
-        pos_int(name, getattr(cfg, name))
+        positive_int(f"config.{name}", getattr(cfg, name))
     if not isinstance(cfg.iql_hidden, (tuple, list)):
         raise ValueError(f"config.iql_hidden must be a tuple of ints >= 1 (the hidden widths), "
                          f"got {cfg.iql_hidden!r}")
     for i, h in enumerate(cfg.iql_hidden):
-        pos_int(f"iql_hidden[{i}]", h)
+        positive_int(f"config.iql_hidden[{i}]", h)
     if not isinstance(cfg.expectiles, (tuple, list)) or len(cfg.expectiles) < 1 or not all(
             isinstance(t, (int, float, np.floating)) and not isinstance(t, bool) and 0 < t < 1 for t in cfg.expectiles):
         raise ValueError(f"config.expectiles must be a non-empty tuple of floats in (0, 1), got {cfg.expectiles!r}")
@@ -128,22 +125,11 @@ def _check_config(cfg: AuxConfig):
     if cfg.seq_dim % cfg.num_heads:
         raise ValueError(f"config.num_heads={cfg.num_heads} must divide config.seq_dim={cfg.seq_dim}")
 
-    def real(name, lo, hi, lo_open=False, none_ok=False):
+    for name, lo, hi, lo_open in (("target_tau", 0.0, 1.0, False), ("kappa", 0.0, None, True), ("lr", 0.0, None, False),
+                                  ("weight_decay", 0.0, None, False), ("max_grad_norm", 0.0, None, False)):
         v = getattr(cfg, name)
-        if none_ok and v is None:
-            return
-        ok = (not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) and np.isfinite(v)
-              and (v > lo if lo_open else v >= lo) and v <= hi)
-        if not ok:
-            rng = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi < np.inf else f"{'> ' if lo_open else '>= '}{lo}"
-            raise ValueError(f"config.{name} must be a finite float {rng}{' or None' if none_ok else ''}, "
-                             f"got {v!r}")
-
-    real("target_tau", 0, 1)
-    real("kappa", 0, np.inf, lo_open=True)
-    real("lr", 0, np.inf)
-    real("weight_decay", 0, np.inf)
-    real("max_grad_norm", 0, np.inf, none_ok=True)
+        if not (name == "max_grad_norm" and v is None):
+            real_scalar(f"config.{name}", v, lo, hi, lo_open=lo_open, traced=False)
 
 
 def _check_batch(trainer, batch, spec):
@@ -328,6 +314,7 @@ def make_aux(config: AuxConfig | None = None, **overrides) -> AuxTrainers:
 
     Raises:
       ValueError: a config field out of range (message names the field).
+      TypeError: a number field (target_tau, kappa, lr, weight_decay, max_grad_norm) is not a real scalar.
     """
     cfg = (config or AuxConfig())._replace(**overrides)
     _check_config(cfg)
