@@ -403,8 +403,11 @@ def test_bad_sizes_support_and_update_arguments_raise_naming_them():
     for n in (1, 0, True, 51.0):
         with pytest.raises(ValueError, match="^num_atoms must be an int >= 2"):
             support(n, 25.0)
-    for v in (True, 0.0, float("inf"), "25"):
-        with pytest.raises(ValueError, match="^v_max must be a finite float > 0"):
+    for v in (0.0, float("inf"), -1):
+        with pytest.raises(ValueError, match=r"^v_max must be finite and in \(0, inf\)"):
+            support(11, v)
+    for v in (True, "25", None):
+        with pytest.raises(TypeError, match="^v_max must be a real scalar"):
             support(11, v)
     np.testing.assert_allclose(np.asarray(support(np.int64(11), np.float32(2.0))), np.linspace(-2.0, 2.0, 11),
                                rtol=0, atol=1e-6)
@@ -416,6 +419,8 @@ def test_bad_sizes_support_and_update_arguments_raise_naming_them():
                      ({"batch_size": 16.0}, "batch_size"), ({"batch_size": 0}, "batch_size")):
         with pytest.raises(ValueError, match=f"^{name} must be"):
             make_update(opt, dan, z, **kw)
+    with pytest.raises(TypeError, match="^priority_eps must be a real scalar"):
+        make_update(opt, dan, z, priority_eps=True)
 
 
 def _load_train_dqn():

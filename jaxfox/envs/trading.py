@@ -81,6 +81,8 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
+from jaxfox._validate import real_scalar
+
 __all__ = ["AVAILABLE_INSTRUMENTS", "INSTRUMENTS", "LEVELS", "POSITION_FEATURES", "Trading", "TradingParams",
            "TradingState"]
 
@@ -187,6 +189,7 @@ class Trading:
       ValueError: instruments not a non-empty tuple/list of distinct names from :data:`AVAILABLE_INSTRUMENTS`;
         episode_len < 1 or longer than the train span allows; cost_bps negative or not finite; train_end or
         test_start unparseable or with a time zone, train_end not before test_start, or a span with fewer than 2 rows.
+      TypeError: cost_bps not a real scalar (a bool, a string).
     """
 
     episode_len: int = 252
@@ -204,9 +207,7 @@ class Trading:
         set_(self, "instruments", insts)
         D = len(insts)
         L = _check_int("episode_len", self.episode_len, 1)
-        if isinstance(self.cost_bps, bool) or not isinstance(self.cost_bps, (int, float, np.floating)) or not (
-                np.isfinite(self.cost_bps) and self.cost_bps >= 0):
-            raise ValueError(f"cost_bps must be a finite float >= 0, got {self.cost_bps!r}")
+        real_scalar("cost_bps", self.cost_bps, 0.0, traced=False)
         default_end, default_start = _VIX_SPANS if "vix" in insts else _SPANS
         if self.train_end is None:
             set_(self, "train_end", default_end)

@@ -138,13 +138,11 @@ def support(num_atoms: int = 51, v_max: float = 25.0):
     """z [N] float32 = linspace(-v_max, v_max, N) (module docstring for the choice of v_max).
 
     Raises:
-      ValueError: ``num_atoms`` is not an int >= 2 (the network's N), or ``v_max`` is not a finite real > 0
-        (bools are refused; NumPy scalars are accepted).
+      ValueError: ``num_atoms`` is not an int >= 2 (the network's N), or ``v_max`` is not finite and > 0.
+      TypeError: ``v_max`` is not a real scalar (bools are refused; NumPy scalars and 0-d arrays are accepted).
     """
     num_atoms = positive_int("num_atoms", num_atoms, 2)
-    if isinstance(v_max, bool) or not (isinstance(v_max, (int, float, np.integer, np.floating)) and
-                                       np.isfinite(v_max) and v_max > 0):
-        raise ValueError(f"v_max must be a finite float > 0, got {v_max!r}")
+    v_max = real_scalar("v_max", v_max, 0.0, lo_open=True, traced=False)
     return jnp.linspace(-v_max, v_max, num_atoms, dtype=jnp.float32)
 
 
@@ -298,13 +296,12 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
 
     Raises:
       ValueError: ``batch_size`` is not an int >= 1 or not divisible by the number of devices on the batch axis,
-        ``priority_eps`` is not a finite float >= 0 (under jit a negative priority would be stored as 0, so
+        ``priority_eps`` is not finite and >= 0 (under jit a negative priority would be stored as 0, so
         the slot would never be sampled again), or the mesh has several axes and none is named "batch".
+      TypeError: ``priority_eps`` is not a real scalar (a bool, a string, a traced value).
     """
     batch_size = positive_int("batch_size", batch_size)
-    if isinstance(priority_eps, bool) or not isinstance(priority_eps, (int, float, np.integer, np.floating)) or not (
-            np.isfinite(priority_eps) and priority_eps >= 0):
-        raise ValueError(f"priority_eps must be a finite float >= 0, got {priority_eps!r}")
+    priority_eps = real_scalar("priority_eps", priority_eps, 0.0, traced=False)
     mesh = batch_mesh() if mesh is None else mesh
     axis = batch_axis(mesh)
     check_divisible("batch_size", batch_size, mesh, axis_name=axis)
