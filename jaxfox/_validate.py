@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_array", "is_concrete", "positive_int", "real_scalar"]
+__all__ = ["check_array", "is_concrete", "positive_float32", "positive_int", "real_scalar"]
 
 
 def is_concrete(x) -> bool:
@@ -78,3 +78,18 @@ def real_scalar(name, value, lo=None, hi=None, *, lo_open=False, hi_open=False, 
 def _number(x):
     """A bound as written: 0 and 1 for 0.0 and 1.0, every digit otherwise (0.9999999 is not rounded to 1)."""
     return str(int(x)) if float(x).is_integer() and abs(x) < 2 ** 53 else repr(float(x))
+
+
+def positive_float32(name, value):
+    """A static positive constant of float32 arithmetic (a LayerNorm eps, a Huber threshold) as a Python float.
+
+    Raises:
+      TypeError: as :func:`real_scalar` (also for a traced value: the constant is baked into the computation).
+      ValueError: not finite and > 0, or not so in float32 (1e-46 would be 0 there, 1e39 inf).
+    """
+    v = real_scalar(name, value, 0.0, lo_open=True, traced=False)
+    with np.errstate(over="ignore", under="ignore"):
+        v32 = float(np.float32(v))
+    if not (math.isfinite(v32) and v32 > 0.0):
+        raise ValueError(f"{name} must be a positive finite float32 (about 1.4e-45 to 3.4e38), got {value!r}")
+    return v

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
-from jaxfox._validate import check_array as _check_array, positive_int as _positive_int
+from jaxfox._validate import check_array as _check_array, positive_float32, positive_int as _positive_int
 from jaxfox.reduce import backward_tiling, reduce_chunks
 
 __all__ = ["grn_init", "grn", "layer_norm"]
@@ -159,18 +159,6 @@ def _grn_sizes(params, name="params", lead=(), init="grn_init"):
         raise ValueError(f"{name} has equal input and output widths ({I}): the skip is the identity, "
                          "so 'skip_w'/'skip_b' must not be present")
     return I, C, H, O
-
-
-def _check_eps(eps):
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
-    if not (math.isfinite(float(eps)) and float(eps) > 0.0):
-        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
-    with np.errstate(over="ignore", under="ignore"):
-        e32 = float(np.float32(eps))
-    if not (math.isfinite(e32) and e32 > 0.0):  # the statistics are float32: 1e-46 would be 0, 1e39 inf
-        raise ValueError(f"eps must be a positive finite float32 (about 1.4e-45 to 3.4e38), got {eps!r}")
-    return float(eps)
 
 
 def _check_input(name, x, ndim_min, last):
@@ -413,11 +401,12 @@ def grn(params, a, context=None, *, eps=1e-5):
     inside :func:`jaxfox.use_reference`).
 
     Raises:
-      TypeError: an input is not float32/bfloat16, a parameter is not float32, or eps is not a number.
+      TypeError: an input is not float32/bfloat16, a parameter is not float32, or eps is not a concrete real
+        scalar (a bool, a string, a traced value).
       ValueError: wrong shapes (the message names the argument), a context missing or unexpected
         for ``params``, or eps is not a positive finite float32 (0 < eps, float32(eps) neither 0 nor inf).
     """
-    eps = _check_eps(eps)
+    eps = positive_float32("eps", eps)
     I, C, H, O = _grn_sizes(params, "params")
     _check_input("a", a, 1, (I,))
     lead = tuple(a.shape[:-1])

@@ -48,8 +48,8 @@ import numpy as np
 
 from jaxfox._ffi import (_explicit_batch_axes, cuda_compute_capability, dispatch, ffi_call as _ffi_call,
                          psum_to_match, smem_per_block_limit)
-from jaxfox._validate import check_array, positive_int as _positive_int
-from jaxfox.losses import check_kappa, quantile_embedding, quantile_huber_loss
+from jaxfox._validate import check_array, positive_float32, positive_int as _positive_int
+from jaxfox.losses import quantile_embedding, quantile_huber_loss
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["iqn_head_init", "iqn_head", "iqn_quantile_huber_loss"]
@@ -308,7 +308,7 @@ def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
       taus: [B, N] float32, the fractions of the N online quantiles of each sample.
       target_quantiles: [B, N'] float32, the N' target samples of each sample (in IQN r + gamma Z'_tau'(s', a*),
         usually ``jax.lax.stop_gradient``-ed).
-      kappa: the Huber threshold, a Python float > 0 (IQN uses 1).
+      kappa: the Huber threshold, a concrete real > 0 (a Python float or a 0-d array; IQN uses 1).
 
     Returns:
       float32 scalar: (1 / B) sum_b sum_i (1 / N') sum_j |tau_i - 1{delta_ij < 0}| L_kappa(delta_ij) / kappa with
@@ -326,7 +326,7 @@ def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
     Source: Dabney et al. 2018 (IQN), eq. (3), (4) and (10); dopamine ``implicit_quantile_agent`` (OPS.md "Losses").
 
     Raises:
-      TypeError: psi, taus, target_quantiles or a parameter is not float32; kappa is not a number.
+      TypeError: psi, taus, target_quantiles or a parameter is not float32; kappa is not a concrete real scalar.
       ValueError: params is not an iqn_head_init dict, a shape does not match (the message names the argument,
         the expected and the actual shape), B = 0, N' = 0, or kappa is not a finite float > 0.
     """
@@ -335,7 +335,7 @@ def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
     B = psi.shape[0]
     check_array("taus", taus, (B, None))
     check_array("target_quantiles", target_quantiles, (B, None))
-    kappa = check_kappa(kappa)
+    kappa = positive_float32("kappa", kappa)
     N, Nt = taus.shape[1], target_quantiles.shape[1]
     if B == 0 or Nt == 0:
         raise ValueError(f"psi must have at least one row and target_quantiles at least one column (the loss is "

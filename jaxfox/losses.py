@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._validate import real_scalar as _real_scalar
+from jaxfox._validate import positive_float32, real_scalar as _real_scalar
 
 __all__ = ["expectile_loss", "quantile_huber_loss", "quantile_embedding", "cql_penalty"]
 
@@ -130,18 +130,6 @@ def _huber(d, kappa):
     return jnp.where(quad, 0.5 * dq * dq, kappa * (a - 0.5 * kappa))
 
 
-def check_kappa(kappa):
-    """The Huber threshold as a Python float; TypeError if not a number, ValueError unless it is > 0 and finite
-    as a float32 (the loss is computed in float32: 1e-46 would be 0 there, 1e39 inf)."""
-    if not _is_python_number(kappa):
-        raise TypeError(f"kappa must be a float, got {type(kappa).__name__}")
-    with np.errstate(over="ignore", under="ignore"):
-        k32 = np.float32(kappa)
-    if not (math.isfinite(float(kappa)) and float(kappa) > 0 and np.isfinite(k32) and k32 > 0):
-        raise ValueError(f"kappa must be a float > 0 and finite in float32, got {kappa!r}")
-    return float(kappa)
-
-
 def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, per_sample=False):
     """Quantile Huber loss of IQN between N online quantile values and N' target samples per state.
 
@@ -160,7 +148,7 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
       online_quantiles: [B, N] float32/bfloat16, Z_tau_i(s, a) of the online network.
       taus: [B, N] or [N] float32/bfloat16, the fractions tau_i the online values were taken at.
       target_quantiles: [B, N'] float32/bfloat16, the target samples (e.g. r + gamma Z'_tau'_j(s', a*)).
-      kappa: Huber threshold, a Python float > 0 (IQN uses 1).
+      kappa: Huber threshold, a concrete real > 0 (a Python float or a 0-d array; IQN uses 1).
       per_sample: return loss_b [B] instead of the batch mean.
 
     Returns:
@@ -172,7 +160,8 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
     kappa = 1. OPS.md "Losses".
 
     Raises:
-      TypeError: an input is not a float32/bfloat16 array; kappa is not a number.
+      TypeError: an input is not a float32/bfloat16 array; kappa is not a concrete real scalar (a bool, a string,
+        a traced value).
       ValueError: wrong ranks or mismatched B/N (the message names the argument and both shapes); N' = 0
         (a mean over no target samples); kappa <= 0 or not finite.
     """
@@ -190,7 +179,7 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
                          f"shape {tuple(target_quantiles.shape)}")
     if tuple(taus.shape) not in ((B, N), (N,)):
         raise ValueError(f"taus must have shape [B, N] = [{B}, {N}] or [N] = [{N}], got {tuple(taus.shape)}")
-    kappa = check_kappa(kappa)
+    kappa = positive_float32("kappa", kappa)
     f32 = jnp.float32
     z = online_quantiles.astype(f32)
     t = jnp.broadcast_to(taus.astype(f32), (B, N))

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
-from jaxfox._validate import positive_int as _positive_int
+from jaxfox._validate import positive_float32, positive_int as _positive_int
 from jaxfox.grn import (
-    _FLAT_KEYS, _check_context, _check_eps, _check_input, _common_dtype, _grn_apply, _grn_sizes, grn_init,
+    _FLAT_KEYS, _check_context, _check_input, _common_dtype, _grn_apply, _grn_sizes, grn_init,
     layer_norm,
 )
 from jaxfox.reduce import backward_tiling, reduce_chunks
@@ -264,11 +264,11 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     a custom_vjp function"); trace them inside :func:`jaxfox.use_reference` for the XLA path.
 
     Raises:
-      TypeError: an input is not float32/bfloat16, a parameter is not float32, eps not a number.
+      TypeError: an input is not float32/bfloat16, a parameter is not float32, eps not a concrete real scalar.
       ValueError: wrong shapes (the message names the argument), a context missing or unexpected,
         inconsistent params, or eps is not a positive finite float32 (0 < eps, float32(eps) neither 0 nor inf).
     """
-    eps = _check_eps(eps)
+    eps = positive_float32("eps", eps)
     m, d, H, O, C = _vsn_sizes(params)
     _check_input("xs", xs, 2, (m, d))
     lead = tuple(xs.shape[:-2])

@@ -608,7 +608,10 @@ def test_iqn_loss_argument_errors():
     assert_raises_naming(lambda: f(params, psi, taus[:2], y), ValueError, "taus")
     assert_raises_naming(lambda: f(params, psi[:, :8], taus, y), ValueError, "psi")
     assert_raises_naming(lambda: f(params, psi, taus, y, 0.0), ValueError, "kappa")
-    assert_raises_naming(lambda: f(params, psi, taus, y, jnp.float32(1.0)), TypeError, "kappa")
+    # kappa is a constant of the computation: a concrete 0-d array is taken as its value, a traced one is refused
+    np.testing.assert_array_equal(np.asarray(f(params, psi, taus, y, jnp.float32(2.0))),
+                                  np.asarray(f(params, psi, taus, y, 2.0)))
+    assert_raises_naming(lambda: jax.jit(lambda k: f(params, psi, taus, y, k))(1.0), TypeError, "kappa")
     assert_raises_naming(lambda: f(params, psi, taus, y[:, :0]), ValueError, "target_quantiles")
     assert_raises_naming(lambda: f(params, psi[:0], taus[:0], y[:0]), ValueError, "psi")
 

@@ -73,3 +73,21 @@ def test_traced_values_pass_unchecked_unless_refused():
         jax.jit(lambda v: real_scalar("x", v, traced=False))(0.5)
     with pytest.raises(TypeError, match="^x must be a real scalar, got a bool"):  # a traced bool is still refused
         jax.jit(lambda v: real_scalar("x", v))(True)
+
+
+def test_positive_float32_is_a_positive_real_that_float32_keeps():
+    from jaxfox._validate import positive_float32
+
+    for ok in (1e-5, 1, np.float32(3.0), jnp.float32(0.5), 1e-44, 3e38):
+        assert positive_float32("eps", ok) == float(np.asarray(ok, np.float64))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"^eps must be finite and in \(0, inf\)"):
+            positive_float32("eps", bad)
+    for bad in (1e-46, 1e39):      # 0 and inf in float32, where the statistics / the loss are computed
+        with pytest.raises(ValueError, match=r"^eps must be a positive finite float32"):
+            positive_float32("eps", bad)
+    for bad in (True, "1e-5", None):
+        with pytest.raises(TypeError, match="^eps must be a real scalar"):
+            positive_float32("eps", bad)
+    with pytest.raises(TypeError, match="^kappa must be a concrete real scalar"):  # a constant of the computation
+        jax.jit(lambda k: positive_float32("kappa", k))(1.0)

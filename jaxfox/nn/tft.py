@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfox.attention import attention_pool, attention_pool_init
-from jaxfox.grn import _check_eps, grn, grn_init
+from jaxfox._validate import positive_float32
+from jaxfox.grn import grn, grn_init
 from jaxfox.vsn import vsn, vsn_init
 
 __all__ = ["GRN", "VSN", "AttentionPool"]
@@ -53,7 +54,7 @@ class GRN(nnx.Module):
 
     def __init__(self, input_size: int, hidden_size: int, output_size: int, *, context_size: int | None = None,
                  eps: float = 1e-5, rngs: nnx.Rngs):
-        eps = _check_eps(eps)
+        eps = positive_float32("eps", eps)
         p = grn_init(rngs.params(), input_size, hidden_size, output_size, context_size=context_size,
                      dtype=jnp.float32)
         self.input_size, self.hidden_size, self.output_size = int(input_size), int(hidden_size), int(output_size)
@@ -97,7 +98,7 @@ class VSN(nnx.Module):
 
     def __init__(self, num_vars: int, var_size: int, hidden_size: int, output_size: int, *,
                  context_size: int | None = None, eps: float = 1e-5, rngs: nnx.Rngs):
-        eps = _check_eps(eps)
+        eps = positive_float32("eps", eps)
         p = vsn_init(rngs.params(), num_vars, var_size, hidden_size, output_size, context_size=context_size,
                      dtype=jnp.float32)
         self.num_vars, self.var_size = int(num_vars), int(var_size)
