@@ -77,10 +77,23 @@ for phase in "$@"; do
             # kernels whose mangled name contains "jaxfox" (every kernel of ffi/, namespace jaxfox) are instrumented,
             # not XLA's GEMMs (the sanitizer crashed at start-up on scripts whose programs have cuBLAS / wgmma
             # kernels; the same run with a kernel-name filter, started by hand, completed). "" = no filter.
-            # shellcheck disable=SC2086
-            (cd /tmp && timeout "$t" compute-sanitizer --tool "$tool" ${JAXFOX_SANITIZE_ARGS---kernel-name kns=jaxfox} \
-              --error-exitcode 3 \
-              python3 "$repo/$script") >>"$log" 2>&1 || rc=1
+            # A front end that dies on a signal (compute-sanitizer segfaulted at start-up on gpu_sanitize_vsn.py once
+            # while racecheck of the same script ran clean) leaves its python target running, which then wrote into
+            # the next run's log: kill what is left of the target after each run, and try a crashed run once more.
+            for attempt in 1 2; do
+              # shellcheck disable=SC2086
+              (cd /tmp && timeout "$(left)" compute-sanitizer --tool "$tool" ${JAXFOX_SANITIZE_ARGS---kernel-name kns=jaxfox} \
+                --error-exitcode 3 \
+                python3 "$repo/$script") >>"$log" 2>&1
+              src=$?
+              pkill -KILL -f "python3 $repo/$script" 2>/dev/null
+              if [ "$src" -gt 128 ] && [ "$src" != 137 ] && [ "$attempt" = 1 ] && [ "$(left)" -gt 20 ]; then
+                echo "== $tool $script: compute-sanitizer died on signal $((src - 128)); once more" >>"$log"
+                continue
+              fi
+              break
+            done
+            [ "$src" = 0 ] || rc=1
           done
         done
       done
