@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 from jaxfox._validate import positive_int
-from jaxfox.models.perception_v0 import (_check_labels, _run_epoch, check_window_batch,
+from jaxfox.models.perception_v0 import (_check_labels, _map_padded_chunks, _run_epoch, check_window_batch,
                                          data_parallel_step, make_benchmark_step, make_optimizer)
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
@@ -167,19 +167,7 @@ def predict(model: Perception, x, *, batch_size: int = 256) -> tuple[np.ndarray,
     # checked here, on the whole x: the model sees only the zero-padded chunks (whose shape an error would report),
     # and none at all when N = 0
     check_window_batch(x, getattr(model, "num_features", None), rows="N")
-    n = x.shape[0]
-    logits, weights = [], []
-    for i in range(0, n, batch_size):
-        chunk = x[i:i + batch_size]
-        k = chunk.shape[0]
-        if k < batch_size:
-            chunk = np.concatenate([chunk, np.zeros((batch_size - k, *chunk.shape[1:]), np.float32)])
-        lg, w = _forward(model, jnp.asarray(chunk))
-        logits.append(np.asarray(lg)[:k])
-        weights.append(np.asarray(w)[:k])
-    if not logits:
-        return np.zeros((0,), np.float32), np.zeros((0, x.shape[-1]), np.float32)
-    return np.concatenate(logits), np.concatenate(weights)
+    return _map_padded_chunks(lambda c: _forward(model, c), x, batch_size)
 
 
 def evaluate(model: Perception, x, y, *, batch_size: int = 256) -> tuple[float, float, np.ndarray]:

@@ -66,6 +66,21 @@ def _check_labels(y, n, rows: str) -> None:
         raise TypeError(f"y must be float32, got {y.dtype}")
 
 
+def _map_padded_chunks(fn, x: np.ndarray, batch_size: int) -> tuple[np.ndarray, ...]:
+    """``fn`` (jitted: x chunk [batch_size, ...] -> tuple of [batch_size, ...] arrays) over x [N, ...] in chunks of
+    ``batch_size`` rows, the last one zero-padded so that any N reuses one compilation; the outputs' rows
+    concatenated as NumPy arrays ([N, ...] each, the padding rows dropped). N = 0 runs one all-padding chunk, so that
+    the empty outputs have fn's trailing shapes and dtypes (jax.eval_shape cannot trace an nnx model's call)."""
+    parts = []
+    for i in range(0, max(x.shape[0], 1), batch_size):
+        chunk = x[i:i + batch_size]
+        k = chunk.shape[0]
+        if k < batch_size:
+            chunk = np.concatenate([chunk, np.zeros((batch_size - k, *chunk.shape[1:]), chunk.dtype)])
+        parts.append(tuple(np.asarray(o)[:k] for o in fn(jnp.asarray(chunk))))
+    return tuple(np.concatenate(cols) for cols in zip(*parts))
+
+
 class PerceptionV0(nnx.Module):
     """Embedding -> CfC -> last state -> linear head (module docstring for the equations).
 
@@ -345,15 +360,8 @@ def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarr
     # checked on the whole x: the model sees only zero-padded chunks (an error would report the chunk's shape),
     # and none at all when N = 0
     check_window_batch(x, model.num_features, rows="N")
-    n = x.shape[0]
-    out = []
-    for i in range(0, n, batch_size):
-        chunk = x[i:i + batch_size]
-        k = chunk.shape[0]
-        if k < batch_size:
-            chunk = np.concatenate([chunk, np.zeros((batch_size - k, *chunk.shape[1:]), np.float32)])
-        out.append(np.asarray(_logits(model, jnp.asarray(chunk)))[:k])
-    return np.concatenate(out) if out else np.zeros((0,), np.float32)
+    (logits,) = _map_padded_chunks(lambda c: (_logits(model, c),), x, batch_size)
+    return logits
 
 
 def evaluate(model: PerceptionV0, x, y, *, batch_size: int = 256) -> tuple[float, float]:
