@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._validate import positive_float32, real_scalar as _real_scalar
+from jaxfox._validate import positive_float32, positive_int, real_scalar as _real_scalar
 
 __all__ = ["expectile_loss", "quantile_huber_loss", "quantile_embedding", "cql_penalty"]
 
@@ -116,9 +116,7 @@ def quantile_embedding(taus, n_cos=64):
       TypeError: taus is not a float32/bfloat16 array.  ValueError: n_cos is not an int >= 1.
     """
     _check_float_array("taus", taus)
-    if isinstance(n_cos, bool) or not isinstance(n_cos, (int, np.integer)) or n_cos < 1:
-        raise ValueError(f"n_cos must be an int >= 1, got {n_cos!r}")
-    i = jnp.arange(int(n_cos), dtype=jnp.float32)
+    i = jnp.arange(positive_int("n_cos", n_cos), dtype=jnp.float32)
     return jnp.cos(jnp.float32(math.pi) * taus.astype(jnp.float32)[..., None] * i)
 
 

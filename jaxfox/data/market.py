@@ -26,6 +26,8 @@ import functools
 import numpy as np
 import pandas as pd
 
+from jaxfox._validate import positive_int
+
 __all__ = [
     "FEATURE_NAMES", "MarketWindows", "auc", "build_features", "load_prices", "load_vix",
     "make_windows", "target",
@@ -303,14 +305,12 @@ def make_windows(window: int = 64, *, train_end: str = "2012-12-31", val_end: st
       ValueError: naming ``window`` (not an int >= 2, or so long a split is empty), ``train_end`` / ``val_end``
         (unparseable, with a time zone, or not ``train_end < val_end``), or ``max_features`` (< 1).
     """
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 2:
-        raise ValueError(f"window must be an int >= 2, got {window!r}")
+    window = positive_int("window", window, 2)
     t_end, v_end = _timestamp(train_end, "train_end"), _timestamp(val_end, "val_end")
     if not t_end < v_end:
         raise ValueError(f"train_end ({train_end}) must be before val_end ({val_end})")
-    if max_features is not None and (isinstance(max_features, bool) or
-                                     not isinstance(max_features, (int, np.integer)) or max_features < 1):
-        raise ValueError(f"max_features must be None or an int >= 1, got {max_features!r}")
+    if max_features is not None:
+        max_features = positive_int("max_features", max_features)
 
     prices = _load_prices()
     names = FEATURE_NAMES[:max_features]

@@ -79,9 +79,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pandas as pd
 
-from jaxfox._validate import real_scalar
+from jaxfox._validate import positive_int, real_scalar
 
 __all__ = ["AVAILABLE_INSTRUMENTS", "INSTRUMENTS", "LEVELS", "POSITION_FEATURES", "Trading", "TradingParams",
            "TradingState"]
@@ -153,12 +152,6 @@ def _check_instruments(instruments) -> tuple[str, ...]:
     return tuple(instruments)
 
 
-def _check_int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    return int(v)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trading:
     """The trading environment (module docstring for the equations, spans and observation).
@@ -206,7 +199,7 @@ class Trading:
         insts = _check_instruments(self.instruments)
         set_(self, "instruments", insts)
         D = len(insts)
-        L = _check_int("episode_len", self.episode_len, 1)
+        L = positive_int("episode_len", self.episode_len, 1)
         real_scalar("cost_bps", self.cost_bps, 0.0, traced=False)
         default_end, default_start = _VIX_SPANS if "vix" in insts else _SPANS
         if self.train_end is None:

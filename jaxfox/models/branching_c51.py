@@ -83,8 +83,7 @@ class BranchingC51(nnx.Module):
         for name, v, lo in (("obs_dim", obs_dim, 1), ("num_branches", num_branches, 1),
                             ("num_actions", num_actions, 1), ("num_atoms", num_atoms, 2),
                             ("hidden[0]", hidden[0], 1), ("hidden[1]", hidden[1], 1)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            positive_int(name, v, lo)
         self.obs_dim, self.D, self.A, self.N = int(obs_dim), int(num_branches), int(num_actions), int(num_atoms)
         h1, h2 = hidden
         k = rngs.params

@@ -50,12 +50,6 @@ with :func:`train_epoch`, measured 2026-12-01 .. 2026-12-03); at seed 0 they sco
 AUC 0.6770 there."""
 
 
-def _check_size(name, v):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return int(v)
-
-
 class Perception(nnx.Module):
     """Embedding -> VSN -> CfC -> attention pool -> GRN head -> logit (module docstring for the equations).
 
@@ -82,7 +76,7 @@ class Perception(nnx.Module):
                  rngs: nnx.Rngs):
         for name, v in (("num_features", num_features), ("embed_dim", embed_dim), ("vsn_hidden", vsn_hidden),
                         ("vsn_out", vsn_out), ("hidden", hidden), ("num_heads", num_heads)):
-            _check_size(name, v)
+            positive_int(name, v)
         if hidden % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide hidden={hidden}")
         self.num_features = int(num_features)

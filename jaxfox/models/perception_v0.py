@@ -101,8 +101,7 @@ class PerceptionV0(nnx.Module):
                  backbone_layers: int = 1, mode: str = "default", proj_size: int | None = None, rngs: nnx.Rngs):
         for name, v in (("num_features", num_features), ("embed_dim", embed_dim), ("hidden", hidden),
                         ("proj_size", 1 if proj_size is None else proj_size)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            positive_int(name, v)
         self.num_features = int(num_features)
         self.embed_dim = int(embed_dim)
         self.embed_w = nnx.Param(jax.random.normal(rngs.params(), (num_features, embed_dim), jnp.float32))
