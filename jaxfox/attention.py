@@ -161,7 +161,7 @@ def _factored(num_heads, params, hs, mask):
     u = W_k q / sqrt(d) [H, n] (K never formed), c_j = alpha_j hs [B, n, H], and pv_j = c_j W_v[:, head j] (V never
     formed), so the reference's [B, T, H] x [H, H] products are gone; JAX differentiates it."""
     x = hs.astype(jnp.float32)
-    u = _score_vectors(params, num_heads)                                              # [H, n]
+    u = _score_vectors(params, num_heads)                                      # [H, n]
     s = jnp.einsum("bth,hj->bjt", x, u)
     where = None if mask is None else mask[:, None, :]
     alpha = jax.nn.softmax(s, axis=-1, where=where)                            # [B, n, T] float32
@@ -252,7 +252,7 @@ _stream.defvjp(_stream_fwd, _stream_bwd, symbolic_zeros=True)
 def _kernel_path(cfg, params, hs, mask):
     B, T, _ = hs.shape
     valid = jnp.ones((B, T), jnp.bool_) if mask is None else mask
-    u = _score_vectors(params, cfg.num_heads)                                              # [H, n]
+    u = _score_vectors(params, cfg.num_heads)  # [H, n]
     alpha, c = _stream(cfg, hs, valid, u)
     pv = _head_values(params, c)
     return _output(params, pv, mask), alpha
@@ -301,8 +301,8 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
 
     Differentiable in params and hs (autodiff of the factored XLA form on CUDA, of the reference elsewhere;
     ``jax.custom_vjp`` over the forward and backward kernels with ``JAXFOX_OPT_IN_KERNELS=attention_pool``); the
-    gradient for hs has hs's dtype. On the kernel path only reverse mode of order 1: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives
-    raise there (trace them inside :func:`jaxfox.use_reference`).
+    gradient for hs has hs's dtype. On the kernel path only reverse mode of order 1: forward mode (``jax.jvp``,
+    ``jax.jacfwd``) and higher derivatives raise there (trace them inside :func:`jaxfox.use_reference`).
     A sample with every step masked gets zero gradients and leaves the other samples unchanged.
 
     Source: OPS.md "Attention pooling over time"; Set Transformer PMA (Lee et al. 2019, eq. 11)

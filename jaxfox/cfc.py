@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match,
                          smem_per_block_limit)
-from jaxfox._validate import check_array as _check_array, positive_int as _positive_int
+from jaxfox._validate import check_array as _check_array, is_concrete, positive_int as _positive_int
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
@@ -357,7 +357,7 @@ def _prepare_ts(ts, B, T):
                         f"{getattr(ts, 'dtype', '')}")
     if ts.shape not in ((), (B,), (B, T)):
         raise ValueError(f"ts must be a scalar, [B]={B} or [B, T]=[{B}, {T}], got shape {tuple(ts.shape)}")
-    concrete = not isinstance(ts, jax.core.Tracer)
+    concrete = is_concrete(ts)
     if concrete:
         host = np.asarray(ts)  # one transfer of a concrete jax array, for both checks
         if not bool(np.all(host >= 0)):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._validate import positive_float32, positive_int, real_scalar as _real_scalar
+from jaxfox._validate import is_concrete, positive_float32, positive_int, real_scalar as _real_scalar
 
 __all__ = ["expectile_loss", "quantile_huber_loss", "quantile_embedding", "cql_penalty"]
 
@@ -83,7 +83,7 @@ def expectile_loss(diff, expectile):
         if tuple(expectile.shape) != () and tuple(expectile.shape) not in want:
             raise ValueError(f"expectile must have shape [] or [K] = [diff.shape[-1]] = "
                              f"{list(diff.shape[-1:])}, got {tuple(expectile.shape)}")
-        if not isinstance(expectile, jax.core.Tracer):
+        if is_concrete(expectile):
             e = np.asarray(expectile, np.float64)
             if not np.all((e > 0) & (e < 1)):
                 raise ValueError(f"expectile must be in (0, 1), got {e.tolist()}")

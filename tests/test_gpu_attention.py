@@ -138,7 +138,8 @@ def test_kernel_matches_reference(B, T, H, n, mask_kind):
     _compare(_run(step, params, hs, mask), _run(step, params, hs, mask, reference=True))
 
 
-@pytest.mark.parametrize("B,T,H,n,mask_kind", [CASES[1], CASES[2], CASES[4], CASES[7], CASES[8], (1024, 16, 64, 4, "none")])
+@pytest.mark.parametrize("B,T,H,n,mask_kind",
+                         [CASES[1], CASES[2], CASES[4], CASES[7], CASES[8], (1024, 16, 64, 4, "none")])
 def test_default_factored_path_matches_reference(B, T, H, n, mask_kind, monkeypatch):
     """The default CUDA path (no opt-in): XLA runs attention._factored, no jaxfox custom call; values and gradients
     as the reference's (both at "highest" precision), masks included."""

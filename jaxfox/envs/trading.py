@@ -80,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._validate import positive_int, real_scalar
+from jaxfox._validate import is_concrete, positive_int, real_scalar
 
 __all__ = ["AVAILABLE_INSTRUMENTS", "INSTRUMENTS", "LEVELS", "POSITION_FEATURES", "Trading", "TradingParams",
            "TradingState"]
@@ -301,7 +301,7 @@ class Trading:
             raise ValueError(f"start must be a scalar row index (shape []), got shape {tuple(start.shape)}")
         if not jnp.issubdtype(start.dtype, jnp.integer):
             raise TypeError(f"start must be an integer row index, got {start.dtype}")
-        if not any(isinstance(v, jax.core.Tracer) for v in (start, p.start_lo, p.span_end)):
+        if all(is_concrete(v) for v in (start, p.start_lo, p.span_end)):
             lo, hi, s = int(p.start_lo), int(p.span_end), int(start)
             if not lo <= s <= hi:  # was: an episode over rows of other spans (e.g. reset_to(0, env.test))
                 raise ValueError(f"start must be a row of the span [start_lo, span_end] = [{lo}, {hi}], got {s}")
@@ -329,7 +329,7 @@ class Trading:
             raise ValueError(f"action must have shape [D] = [{D}], got {tuple(action.shape)}")
         if not jnp.issubdtype(action.dtype, jnp.integer):
             raise TypeError(f"action must have an integer dtype, got {action.dtype}")
-        if not isinstance(action, jax.core.Tracer):  # concrete: out of range is a caller's error, not clipped
+        if is_concrete(action):  # concrete: out of range is a caller's error, not clipped
             a = np.asarray(action)
             if a.min() < 0 or a.max() >= A:
                 raise ValueError(f"action entries must be in [0, A) = [0, {A}), got {a.tolist()}")
