@@ -529,7 +529,8 @@ def test_sgd_quantile_regression_loss_falls():
 
 
 # ----------------------------------------------------------------------------------------------
-# iqn_quantile_huber_loss: the fused loss-and-gradient kernel (jaxfox_iqn_loss; the default since it measured 2.05x XLA).
+# iqn_quantile_huber_loss: the fused loss-and-gradient kernel (jaxfox_iqn_loss; the default since it measured
+# 2.05x XLA).
 def _fused_grad(p, s, t, y, kappa=1.0):
     return jax.value_and_grad(lambda p, s: jaxfox.iqn_quantile_huber_loss(p, s, t, y, kappa), argnums=(0, 1))(p, s)
 
