@@ -343,6 +343,103 @@ def test_bfloat16_hs_keeps_float32_softmax(path):
     assert rel_err(np.asarray(gh.astype(jnp.float32)), wh) < 1e-2  # bf16 rounding of the result only
 
 
+@pytest.mark.parametrize("B,T,H,n", [
+    (1, 1, 8, 2),     # one sample, one step
+    (3, 1, 4, 4),     # T = 1, d = 1, sample 1 all masked
+    (1, 6, 6, 6),     # B = 1, d = 1 (num_heads = H)
+    (2, 6, 5, 1),     # odd H, one head
+    (3, 5, 6, 3),     # odd d, holes and an all-masked sample
+])
+def test_small_shapes_values_and_grads(B, T, H, n, path):
+    """T = 1, B = 1, head width 1 and odd widths: values, alpha and every gradient against the float64 oracle."""
+    params, hs, _ = _setup(B, T, H, n, seed=100 + B + T + H + n, masked=False)
+    mask = np.ones((B, T), bool)
+    mask[:, 1::2] = False                # holes (none when T = 1)
+    if B == 3:
+        mask[1] = False                  # an all-masked sample
+    r1, r2 = _weights(B, T, H, n, seed=T)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    _assert_f32_close(pooled, want_p)
+    _assert_f32_close(alpha, want_a)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
+    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
+    for k in KEYS:
+        _assert_f32_close(gp[k], wp[k], tol=1e-4)
+    _assert_f32_close(gh, wh, tol=1e-4)
+    assert np.all(np.asarray(gh)[~mask] == 0.0)  # masked steps get exactly zero gradient
+
+
+def test_params_only_grad_of_pooled(path):
+    """The aux trainer's use (jaxfox.models.aux.attention_loss): no mask, alpha discarded, jax.grad w.r.t. the
+    params only, under jit; against the float64 oracle."""
+    B, T, H, n = 5, 4, 8, 2
+    params, hs, _ = _setup(B, T, H, n, seed=111, masked=False)
+    r1 = np.random.default_rng(3).standard_normal((B, H))
+
+    @jax.jit
+    def loss(p, h):
+        pooled, _ = attention_pool(p, h, num_heads=n)
+        return jnp.sum(pooled * jnp.asarray(r1, jnp.float32))
+
+    gp = jax.jit(jax.grad(loss))(params, jnp.asarray(hs))
+    wp, _ = _oracle_grads(params, hs, None, n, r1, np.zeros((B, n, T)))
+    for k in KEYS:
+        _assert_f32_close(gp[k], wp[k], tol=1e-4)
+    assert np.abs(wp["q"]).max() > 1e-3 and set(gp) == set(KEYS)
+
+
+def test_large_common_offset_in_hs(path):
+    """hs = x + 1000 (a large common offset): the softmax cancels the offset's share of each score, but float32
+    scores keep only ~1e-4 of it (hs u ~ 1e3 |u|). Values and the gradients that do not pass through the scores
+    stay tight; d q and d W_k (x^T ds with x ~ 1e3 and sum_t ds_t = 0) lose a few 1e-2 relative on either path
+    (float32 conditioning, not an error of the form), so they are not asserted."""
+    B, T, H, n = 3, 6, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=121, all_masked=(2,))
+    hs = hs + np.float32(1000.0)
+    r1, r2 = _weights(B, T, H, n, seed=4)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    _assert_f32_close(pooled, want_p, tol=1e-6)
+    _assert_f32_close(alpha, want_a, tol=5e-4)
+    assert np.all(np.asarray(pooled)[2] == 0.0)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
+    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
+    for k in ("w_v", "w_o", "b_o"):
+        _assert_f32_close(gp[k], wp[k], tol=1e-5)
+    _assert_f32_close(gh, wh, tol=1e-3)
+    assert all(np.isfinite(np.asarray(gp[k])).all() for k in ("q", "w_k"))
+    assert np.all(np.asarray(gh)[2] == 0.0)
+
+
+def test_masked_padding(path):
+    """The docstring's padding caveat: masked steps padded with 1e30 change nothing (values, and every gradient,
+    as the oracle that drops them); a NaN or Inf at a masked step makes that sample's pooled NaN and no other's."""
+    B, T, H, n = 3, 6, 8, 2
+    params, hs, mask = _setup(B, T, H, n, seed=131, all_masked=(1,))
+    mask[0, 2] = False
+    big = hs.copy()
+    big[~mask] = 1e30
+    r1, r2 = _weights(B, T, H, n, seed=6)
+    pooled, alpha = attention_pool(params, jnp.asarray(big), jnp.asarray(mask), num_heads=n)
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    _assert_f32_close(pooled, want_p)
+    _assert_f32_close(alpha, want_a)
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(big), mask, n, r1, r2)
+    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
+    for k in KEYS:
+        _assert_f32_close(gp[k], wp[k], tol=1e-4)
+    _assert_f32_close(gh, wh, tol=1e-4)
+    for bad in (np.nan, np.inf):
+        h = hs.copy()
+        h[0, 2, 3] = bad
+        pooled, alpha = attention_pool(params, jnp.asarray(h), jnp.asarray(mask), num_heads=n)
+        pooled = np.asarray(pooled)
+        assert np.isnan(pooled[0]).any()
+        np.testing.assert_allclose(pooled[1:], want_p[1:], rtol=1e-5, atol=1e-6)
+        _assert_f32_close(alpha, want_a)
+
+
 # ----------------------------------------------------------------------------------------------
 # API errors.
 def test_errors():
@@ -401,7 +498,7 @@ def test_init():
 
 # ----------------------------------------------------------------------------------------------
 # Composition.
-def test_jit_and_grad_under_jit():
+def test_jit_and_grad_under_jit(path):
     B, T, H, n = 3, 5, 8, 2
     params, hs, mask = _setup(B, T, H, n, seed=61)
     r1, r2 = _weights(B, T, H, n)
@@ -416,7 +513,7 @@ def test_jit_and_grad_under_jit():
     _assert_f32_close(g[1], wh, tol=1e-4)
 
 
-def test_vmap_over_instances_and_batch():
+def test_vmap_over_instances_and_batch(path):
     V, B, T, H, n = 3, 2, 5, 8, 2
     ps = [random_params(H, n, seed=s) for s in range(V)]
     stacked = {k: jnp.stack([p[k] for p in ps]) for k in KEYS}
@@ -437,6 +534,15 @@ def test_vmap_over_instances_and_batch():
         _assert_f32_close(pooled2[v], np_attention_pool(ps[0], hs[v], mask[v], n)[0])
     pooled3, _ = jax.vmap(lambda h, m: f(ps[0], h[None], m[None]))(jnp.asarray(hs[0]), jnp.asarray(mask[0]))
     _assert_f32_close(pooled3[:, 0], np_attention_pool(ps[0], hs[0], mask[0], n)[0])
+    # gradients under vmap (params and data batched), instance 1 holding the all-masked sample
+    r1, r2 = _weights(B, T, H, n, seed=2)
+    gv = jax.vmap(jax.grad(lambda p, h, m: _loss_jax(p, h, m, n, r1, r2), argnums=(0, 1)))(
+        stacked, jnp.asarray(hs), jnp.asarray(mask))
+    wp, wh = _oracle_grads(ps[1], hs[1], mask[1], n, r1, r2)
+    for k in KEYS:
+        _assert_f32_close(gv[0][k][1], wp[k], tol=1e-4)
+    _assert_f32_close(gv[1][1], wh, tol=1e-4)
+    assert np.all(np.asarray(gv[1])[1, 1] == 0.0)
 
 
 def test_inside_scan():
