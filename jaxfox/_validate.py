@@ -65,7 +65,10 @@ def real_scalar(name, value, lo=None, hi=None, *, lo_open=False, hi_open=False, 
             return value
     elif not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real scalar, got {type(value).__name__}")
-    v = float(np.asarray(value, np.float64))
+    try:
+        v = float(np.asarray(value, np.float64))
+    except OverflowError:  # a Python int beyond float64's range (10**400): not finite
+        v = math.inf
     ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (
         hi is None or (v < hi if hi_open else v <= hi))
     if not ok:

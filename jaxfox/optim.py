@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in
-from jaxfox._validate import real_scalar as _real_scalar
+from jaxfox._validate import is_concrete, real_scalar as _real_scalar
 
 __all__ = [
     "FlatParams", "flatten", "default_decay_mask", "FusedAdamWState", "FusedAdamW", "fused_adamw", "ema_update",
@@ -302,7 +302,8 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
     Args:
       learning_rate: float, or an optax schedule count -> lr (called with the step count before
         the increment, 0 at the first update, like ``optax.scale_by_learning_rate``).
-      b1, b2: moment decay rates in [0, 1).  eps: >= 0, added to sqrt(v_hat).
+      b1, b2: moment decay rates in [0, 1), and < 1 as float32 (1 - 2^-25 <= b < 1 is 1 there).
+      eps: >= 0, added to sqrt(v_hat).
       weight_decay: decoupled decay rate >= 0, multiplied by the learning rate.
       (learning_rate, b1, b2, eps, weight_decay and max_grad_norm may also be 0-d float or integer arrays,
       traced ones included, so ``optax.inject_hyperparams(fused_adamw)(learning_rate=...)`` works; concrete values are
@@ -340,6 +341,10 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         learning_rate = _real_scalar("learning_rate", learning_rate, 0.0)
     b1 = _real_scalar("b1", b1, 0.0, 1.0, hi_open=True)
     b2 = _real_scalar("b2", b2, 0.0, 1.0, hi_open=True)
+    for name, b in (("b1", b1), ("b2", b2)):  # 1 - 2**-25 <= b < 1 is 1 in float32: a bias correction 1 - b^t of 0
+        if is_concrete(b) and np.float32(b) == 1.0:
+            raise ValueError(f"{name} must be < 1 in float32 (1 - {name}^t is computed in float32: 0 there gives "
+                             f"inf/NaN updates), got {b!r}")
     eps = _real_scalar("eps", eps, 0.0)
     weight_decay = _real_scalar("weight_decay", weight_decay, 0.0)
     if max_grad_norm is not None:

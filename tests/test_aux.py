@@ -281,6 +281,11 @@ def test_config_number_fields_are_checked_by_make_aux():
     for ok in ({"max_grad_norm": None}, {"max_grad_norm": 0.0}, {"target_tau": 0}, {"target_tau": np.float32(1.0)},
                {"kappa": np.float64(2.0)}, {"lr": 0.0}, {"weight_decay": 0}):
         make_aux(SMALL, **ok)
+    # kappa as the IQN loss checks it: 1e-46 (0 in float32) and 1e39 (inf) passed make_aux and failed only when
+    # iqn_step was traced, naming `kappa`
+    for bad in (1e-46, 1e39):
+        with pytest.raises(ValueError, match=r"^config\.kappa must be a positive finite float32"):
+            make_aux(SMALL, kappa=bad)
 
 
 # ---------------------------------------------------------------- example and notebook

@@ -411,6 +411,12 @@ def test_bad_sizes_support_and_update_arguments_raise_naming_them():
             support(11, v)
     np.testing.assert_allclose(np.asarray(support(np.int64(11), np.float32(2.0))), np.linspace(-2.0, 2.0, 11),
                                rtol=0, atol=1e-6)
+    # a v_max finite as a float64 but not in float32 (or with a span 2 v_max beyond float32) gave a NaN support
+    for v in (1e39, 2e38):
+        with pytest.raises(ValueError, match=r"^v_max must be at most float32's max / 2"):
+            support(11, v)
+    top = float(np.finfo(np.float32).max) / 2
+    np.testing.assert_allclose(np.asarray(support(3, top), np.float64), [-top, 0.0, top], rtol=1e-7, atol=0)
     # make_update: a negative priority_eps was accepted (under jit a negative priority is stored as 0: that
     # slot is never sampled again); a float batch size failed deep inside the sampler
     _, opt, dan = init_agent(jax.random.key(0), capacity=64)

@@ -304,6 +304,18 @@ def test_adamw_validation():
             optim.fused_adamw(1e-3, **kw)
     with pytest.raises(ValueError, match="learning_rate"):
         optim.fused_adamw(-1e-3)
+    # b in [1 - 2**-25, 1) is 1 in float32, where the bias correction 1 - b^t is computed: it passed the [0, 1) check
+    # and the first update was -inf (b1) or NaN (b2, on a zero gradient)
+    for kw in (dict(b1=1 - 1e-9), dict(b2=1 - 2.0 ** -25), dict(b2=np.float64(0.99999999))):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"^{name} must be < 1 in float32"):
+            optim.fused_adamw(1e-3, **kw)
+    b = 1 - 2.0 ** -24  # the largest float32 below 1: accepted; one step from zero moments is -lr g / (|g| + eps)
+    g = np.array([0.5, -2.0, 0.0], np.float32)
+    tx = optim.fused_adamw(0.1, b1=b, b2=b, eps=1e-3, weight_decay=0.0)
+    p = {"b": jnp.zeros((3,), jnp.float32)}
+    u, _ = tx.update({"b": jnp.asarray(g)}, tx.init(p), p)
+    np.testing.assert_allclose(np.asarray(u["b"]), -0.1 * g / (np.abs(g) + 1e-3), rtol=1e-5, atol=0)
     tx = optim.fused_adamw(1e-3)
     params = {"w": jnp.ones((2, 2))}
     st = tx.init(params)

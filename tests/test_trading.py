@@ -450,3 +450,18 @@ def test_train_dqn_four_instruments_tiny(tmp_path, raw4):
     assert curves["positions"].shape == (497, 4) and curves["agent"].shape == (497,)
     assert str(curves["dates"][0]) == "2017-01-04" and str(curves["dates"][-1]) == "2018-12-28"
     assert os.path.getsize(os.path.join(out, "equity.png")) > 1000
+
+
+def test_numpy_int64_actions_and_starts_are_checked_before_jax_narrows_them(env):
+    """jnp.asarray turns a NumPy int64 2**32 + 4 into int32 4 (x64 off): step played action 4 and reset_to started
+    at row 5 for out-of-range values, which the concrete checks exist to refuse."""
+    s, _ = env.reset_to(0)
+    with pytest.raises(ValueError, match=r"^action entries must be in \[0, A\) = \[0, 5\), got \[4294967300, 0, 0\]"):
+        env.step(s, np.array([2**32 + 4, 0, 0], np.int64))
+    with pytest.raises(ValueError, match=r"^start must be a row of the span .* = \[0, 3253\], got 4294967301$"):
+        env.reset_to(np.int64(2**32 + 5))
+    # in-range NumPy int64 values still work, with the same result as int32 ones
+    s1, _, r1, _ = env.step(s, np.array([4, 0, 3], np.int64))
+    s2, _, r2, _ = env.step(s, jnp.asarray([4, 0, 3], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(s1.positions), [1.0, -1.0, 0.5])
+    assert float(r1) == float(r2) and int(env.reset_to(np.int64(7))[0].t) == 7

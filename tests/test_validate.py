@@ -91,3 +91,17 @@ def test_positive_float32_is_a_positive_real_that_float32_keeps():
             positive_float32("eps", bad)
     with pytest.raises(TypeError, match="^kappa must be a concrete real scalar"):  # a constant of the computation
         jax.jit(lambda k: positive_float32("kappa", k))(1.0)
+
+
+def test_a_python_int_beyond_float64_is_a_value_error_naming_the_argument():
+    """np.asarray(10**400, np.float64) raised a bare OverflowError ("int too large to convert to float") naming no
+    argument, from every real_scalar / positive_float32 check (Trading's cost_bps, fused_adamw's lr, ...)."""
+    from jaxfox._validate import positive_float32
+
+    with pytest.raises(ValueError, match=r"^lr must be finite and in \[0, inf\), got 1000"):
+        real_scalar("lr", 10**400, 0.0)
+    with pytest.raises(ValueError, match=r"^x must be finite and in \(-inf, inf\), got -1000"):
+        real_scalar("x", -(10**400))
+    with pytest.raises(ValueError, match=r"^eps must be finite and in \(0, inf\)"):
+        positive_float32("eps", 10**400)
+    assert real_scalar("x", 2**1000, 0.0) == math.ldexp(1.0, 1000)  # large but within float64: unchanged

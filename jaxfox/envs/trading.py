@@ -296,13 +296,13 @@ class Trading:
           TypeError: ``start`` is not an integer.
         """
         p = self._p(params)
-        start = jnp.asarray(start)
+        given, start = start, jnp.asarray(start)  # jnp.asarray wraps a NumPy int64 2**32 + 5 to row 5: check `given`
         if start.shape != ():
             raise ValueError(f"start must be a scalar row index (shape []), got shape {tuple(start.shape)}")
         if not jnp.issubdtype(start.dtype, jnp.integer):
             raise TypeError(f"start must be an integer row index, got {start.dtype}")
         if all(is_concrete(v) for v in (start, p.start_lo, p.span_end)):
-            lo, hi, s = int(p.start_lo), int(p.span_end), int(start)
+            lo, hi, s = int(p.start_lo), int(p.span_end), int(np.asarray(given))
             if not lo <= s <= hi:  # was: an episode over rows of other spans (e.g. reset_to(0, env.test))
                 raise ValueError(f"start must be a row of the span [start_lo, span_end] = [{lo}, {hi}], got {s}")
         start = jnp.clip(start, p.start_lo, p.span_end).astype(jnp.int32)
@@ -324,13 +324,13 @@ class Trading:
         """
         p = self._p(params)
         D, A = p.next_returns.shape[-1], p.levels.shape[0]
-        action = jnp.asarray(action)
+        given, action = action, jnp.asarray(action)  # jnp.asarray wraps a NumPy int64 2**32 + 4 to 4: check `given`
         if tuple(action.shape) != (D,):
             raise ValueError(f"action must have shape [D] = [{D}], got {tuple(action.shape)}")
         if not jnp.issubdtype(action.dtype, jnp.integer):
             raise TypeError(f"action must have an integer dtype, got {action.dtype}")
         if is_concrete(action):  # concrete: out of range is a caller's error, not clipped
-            a = np.asarray(action)
+            a = np.asarray(given)
             if a.min() < 0 or a.max() >= A:
                 raise ValueError(f"action entries must be in [0, A) = [0, {A}), got {a.tolist()}")
         live = state.t < state.end  # a finished episode is absorbing (module docstring)

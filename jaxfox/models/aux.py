@@ -52,7 +52,7 @@ import numpy as np
 import optax
 
 import jaxfox
-from jaxfox._validate import positive_int, real_scalar
+from jaxfox._validate import positive_float32, positive_int, real_scalar
 
 __all__ = ["AuxConfig", "TrainerState", "AuxState", "AuxTrainers", "make_aux", "iql_init", "iql_values",
            "iqn_init", "iqn_quantiles", "attention_init", "attention_predict", "synthetic_batch"]
@@ -130,6 +130,7 @@ def _check_config(cfg: AuxConfig):
         v = getattr(cfg, name)
         if not (name == "max_grad_norm" and v is None):
             real_scalar(f"config.{name}", v, lo, hi, lo_open=lo_open, traced=False)
+    positive_float32("config.kappa", cfg.kappa)  # as the IQN loss checks it: 1e-46 is 0 in float32, 1e39 inf
 
 
 def _check_batch(trainer, batch, spec):

@@ -137,11 +137,16 @@ def support(num_atoms: int = 51, v_max: float = 25.0):
     """z [N] float32 = linspace(-v_max, v_max, N) (module docstring for the choice of v_max).
 
     Raises:
-      ValueError: ``num_atoms`` is not an int >= 2 (the network's N), or ``v_max`` is not finite and > 0.
+      ValueError: ``num_atoms`` is not an int >= 2 (the network's N), or ``v_max`` is not finite and > 0, or above
+        float32's max / 2 (the span 2 v_max must be a finite float32, as :func:`jaxfox.categorical_double_q_loss`
+        requires).
       TypeError: ``v_max`` is not a real scalar (bools are refused; NumPy scalars and 0-d arrays are accepted).
     """
     num_atoms = positive_int("num_atoms", num_atoms, 2)
     v_max = real_scalar("v_max", v_max, 0.0, lo_open=True, traced=False)
+    if not v_max <= float(np.finfo(np.float32).max) / 2:  # 1e39 is inf in float32: a support of NaN
+        raise ValueError(f"v_max must be at most float32's max / 2 (about 1.7e38: the support's span 2 v_max must be "
+                         f"a finite float32), got {v_max!r}")
     return jnp.linspace(-v_max, v_max, num_atoms, dtype=jnp.float32)
 
 
