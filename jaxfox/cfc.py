@@ -350,8 +350,12 @@ def _prepare_ts(ts, B, T):
     """Broadcasts ts (scalar, [B] or [B, T]) to [B, T] float32; rejects negative, NaN and infinite concrete values
     (finiteness checked on the float32 values the op uses: a float64 1e39 is inf there)."""
     if isinstance(ts, (int, float, np.integer, np.floating)) and not isinstance(ts, bool):
-        with np.errstate(over="ignore"):
-            ts = np.asarray(ts, np.float32)
+        try:
+            with np.errstate(over="ignore"):
+                ts = np.asarray(ts, np.float32)
+        except OverflowError:  # a Python int beyond float64 (10**400): not a bare "int too large to convert"
+            raise ValueError("ts (elapsed time per step) must be finite (as float32); got an int beyond float64's "
+                             "range") from None
     if not hasattr(ts, "shape") or not jnp.issubdtype(ts.dtype, jnp.floating):
         raise TypeError(f"ts must be a float scalar or float array, got {type(ts).__name__} "
                         f"{getattr(ts, 'dtype', '')}")

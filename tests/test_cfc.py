@@ -164,8 +164,8 @@ def test_infinite_concrete_ts_raises(mode):
     bad[1, 2] = np.inf
     big64 = ts.astype(np.float64)
     big64[0, 3] = 1e39
-    for t in (float("inf"), np.float32(np.inf), 1e39, bad, jnp.asarray(bad), big64,
-              np.array([1.0, np.inf, 0.5], np.float32)):
+    for t in (float("inf"), np.float32(np.inf), 1e39, 10**400, bad, jnp.asarray(bad), big64,
+              np.array([1.0, np.inf, 0.5], np.float32)):  # 10**400: a Python int beyond float64 (was OverflowError)
         with pytest.raises(ValueError, match="ts .*finite"):
             cfc_scan(params, xs, t, h0, mode=mode)
     with pytest.raises(ValueError, match="ts .*finite"):
