@@ -232,6 +232,10 @@ def test_bad_inputs(env):
         Trading(cost_bps=-1.0)
     with pytest.raises(ValueError, match="^test_start must be a date without a time zone"):
         Trading(test_start="2016-01-01T00:00:00+00:00")  # was a TypeError naming no argument
+    for bad in ("no", 0, 0.5, None):  # each was taken for its truth value ("no" showed the positions)
+        with pytest.raises(TypeError, match="^include_positions must be a bool"):
+            Trading(include_positions=bad)
+    assert Trading(include_positions=np.bool_(False)).position_cols == ()
     assert len(LEVELS) == 5 and env.num_branches == 3 and env.obs_dim == 48
 
 

@@ -182,7 +182,7 @@ class Trading:
       ValueError: instruments not a non-empty tuple/list of distinct names from :data:`AVAILABLE_INSTRUMENTS`;
         episode_len < 1 or longer than the train span allows; cost_bps negative or not finite; train_end or
         test_start unparseable or with a time zone, train_end not before test_start, or a span with fewer than 2 rows.
-      TypeError: cost_bps not a real scalar (a bool, a string).
+      TypeError: cost_bps not a real scalar (a bool, a string); include_positions not a bool.
     """
 
     episode_len: int = 252
@@ -201,6 +201,10 @@ class Trading:
         D = len(insts)
         L = positive_int("episode_len", self.episode_len, 1)
         real_scalar("cost_bps", self.cost_bps, 0.0, traced=False)
+        if not isinstance(self.include_positions, (bool, np.bool_)):  # "no" or 0.5 would be truthy: positions shown
+            raise TypeError(f"include_positions must be a bool, got {type(self.include_positions).__name__} "
+                            f"{self.include_positions!r}")
+        set_(self, "include_positions", bool(self.include_positions))
         default_end, default_start = _VIX_SPANS if "vix" in insts else _SPANS
         if self.train_end is None:
             set_(self, "train_end", default_end)
