@@ -128,9 +128,10 @@ def _check_config(cfg: AuxConfig):
     for name, lo, hi, lo_open in (("target_tau", 0.0, 1.0, False), ("kappa", 0.0, None, True), ("lr", 0.0, None, False),
                                   ("weight_decay", 0.0, None, False), ("max_grad_norm", 0.0, None, False)):
         v = getattr(cfg, name)
-        if not (name == "max_grad_norm" and v is None):
+        if name == "kappa":  # as the IQN loss checks it: (0, inf), and neither 0 nor inf in float32
+            positive_float32("config.kappa", v)
+        elif not (name == "max_grad_norm" and v is None):
             real_scalar(f"config.{name}", v, lo, hi, lo_open=lo_open, traced=False)
-    positive_float32("config.kappa", cfg.kappa)  # as the IQN loss checks it: 1e-46 is 0 in float32, 1e39 inf
 
 
 def _check_batch(trainer, batch, spec):
