@@ -120,6 +120,18 @@ def _oracle_grads(params, hs, mask, n, r1, r2, eps=1e-6):
     return out, g[o:].reshape(hs.shape)
 
 
+def _assert_grads_match_oracle(params, hs, mask, n, r1, r2, oracle_hs=None, tol=1e-4):
+    """jax.grad of _loss_jax w.r.t. (params, hs) against the float64 central differences of the oracle (taken at
+    ``oracle_hs``, default hs: e.g. the unpadded values where hs holds padding at masked steps), every parameter
+    leaf and hs within ``tol``. Returns (gp, gh, wp) for further checks."""
+    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
+    wp, wh = _oracle_grads(params, hs if oracle_hs is None else oracle_hs, mask, n, r1, r2)
+    for k in KEYS:
+        _assert_f32_close(gp[k], wp[k], tol=tol)
+    _assert_f32_close(gh, wh, tol=tol)
+    return gp, gh, wp
+
+
 def _assert_f32_close(got, want, tol=1e-5):
     got = np.asarray(got)
     assert got.dtype == np.float32, got.dtype
@@ -191,11 +203,7 @@ def test_alpha_semantics_match_jax_softmax_where():
 def test_grads_match_oracle_finite_differences(B, T, H, n, masked, path):
     params, hs, mask = _setup(B, T, H, n, seed=11 + B + n, masked=masked)
     r1, r2 = _weights(B, T, H, n, seed=B)
-    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
-    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
-    for k in KEYS:
-        _assert_f32_close(gp[k], wp[k], tol=1e-4)
-    _assert_f32_close(gh, wh, tol=1e-4)
+    _, _, wp = _assert_grads_match_oracle(params, hs, mask, n, r1, r2)
     assert np.abs(wp["w_k"]).max() > 1e-3 and np.abs(wp["q"]).max() > 1e-3  # score path is exercised
 
 
@@ -362,11 +370,7 @@ def test_small_shapes_values_and_grads(B, T, H, n, path):
     want_p, want_a = np_attention_pool(params, hs, mask, n)
     _assert_f32_close(pooled, want_p)
     _assert_f32_close(alpha, want_a)
-    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(hs), mask, n, r1, r2)
-    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
-    for k in KEYS:
-        _assert_f32_close(gp[k], wp[k], tol=1e-4)
-    _assert_f32_close(gh, wh, tol=1e-4)
+    _, gh, _ = _assert_grads_match_oracle(params, hs, mask, n, r1, r2)
     assert np.all(np.asarray(gh)[~mask] == 0.0)  # masked steps get exactly zero gradient
 
 
@@ -425,11 +429,7 @@ def test_masked_padding(path):
     want_p, want_a = np_attention_pool(params, hs, mask, n)
     _assert_f32_close(pooled, want_p)
     _assert_f32_close(alpha, want_a)
-    gp, gh = jax.grad(_loss_jax, argnums=(0, 1))(params, jnp.asarray(big), mask, n, r1, r2)
-    wp, wh = _oracle_grads(params, hs, mask, n, r1, r2)
-    for k in KEYS:
-        _assert_f32_close(gp[k], wp[k], tol=1e-4)
-    _assert_f32_close(gh, wh, tol=1e-4)
+    _assert_grads_match_oracle(params, big, mask, n, r1, r2, oracle_hs=hs)
     for bad in (np.nan, np.inf):
         h = hs.copy()
         h[0, 2, 3] = bad
