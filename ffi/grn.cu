@@ -36,8 +36,10 @@
 // depend on the other rows.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "common.h"
+#include "tensor_core.h"
 
 namespace jaxfox {
 namespace {
@@ -733,6 +735,490 @@ ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
                            chunks > 1 ? ws->typed_data() : nullptr, dw->typed_data());
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core GRNs (targets jaxfox_grn_tc_fwd, jaxfox_grn_tc_bwd): the wider GRNs the kernels above do not take,
+// Hd, O in {32, 64, 128} and I in {16, 32, 64, 128} (the issue's bench shape I = Hd = O = 128 and the VSN's
+// per-variable GRNs d = 16, Hd = O = 128), without context. Every product runs in TF32 on mma.sync m16n8k8
+// (ffi/tensor_core.h, float32 accumulate): the precision class of XLA's default float32 matmul on the GPU, so
+// jaxfox/grn.py uses them only at the default matmul precision. One CTA of 8 warps a (64-row tile, vmap
+// instance); each tile's chain of products stays in shared memory (A operands, rounded to TF32 when written;
+// row stride K + 4, = 4 mod 8: conflict-free fragment loads); the weights are TF32 values already (rounded by
+// jaxfox/grn.py) read as B fragments through the L1. The forward writes y and, when a backward follows, the
+// residuals e2, e1, g = [g4 | g5], zhat, rstd; the backward writes dx and the row-wise gradients dg, de1, da2,
+// dz from which jaxfox/grn.py forms the weight and bias gradients with the deterministic grouped wgrad GEMM
+// (ffi/grouped_gemm.cu), plus each tile's [sum dy zhat | sum dy] (rows in increasing order) that reduce_axis0
+// sums into dgamma | dbeta. No atomics; a row's outputs do not depend on the other rows.
+namespace tc {
+
+constexpr int kRows = 64;  // rows of a tile (jaxfox/grn.py _TC_ROWS)
+constexpr int kThreads = 256;
+constexpr int kFrags = kRows / 16;
+static_assert(kThreads / 32 == kMmaWarps, "the warp tilings assume 8 warps");
+
+__host__ __device__ constexpr int Ld(int k) { return k + 4; }  // row stride of a [64, k] tile, = 4 (mod 8)
+
+// Warp tiling of a [64, 16 CB] product: CB >= 4: 2 x 4 warps of 2 x CB / 4 fragments; CB = 2: 4 x 2 warps of one
+// fragment; CB = 1: warps 0..3 own one fragment each and warps 4..7 none (Row0 >= kFrags).
+template <int CB>
+struct TileT {
+  static constexpr int kWcw = CB >= 4 ? 4 : CB;
+  static constexpr int kWrw = kMmaWarps / kWcw;
+  static constexpr int kFR = kWrw >= kFrags ? 1 : kFrags / kWrw;
+  static constexpr int kFC = CB / kWcw;
+  static_assert(kFC * kWcw == CB, "columns do not tile");
+  __device__ static int Row0(int warp) { return (warp / kWcw) * kFR; }
+  __device__ static int Col0(int warp) { return (warp % kWcw) * kFC; }
+};
+
+// acc = A [64, K] (shared, row stride lda) times B [K, N] where B(k, n) = W[k * ldw + n] (kBRow) or
+// W[n * ldw + k] (a weight read transposed), W global (TF32 values).
+template <int N, bool kBRow>
+struct Product {
+  using T = TileT<N / 16>;
+  Frags<T::kFR, T::kFC> acc;
+  int r0, c0;
+  __device__ __forceinline__ Product(int warp) : r0(T::Row0(warp)), c0(T::Col0(warp)) { acc.Zero(); }
+  __device__ __forceinline__ void Run(const float* A, int lda, const float* W, int ldw, int K, int lane) {
+    WarpMma<T::kFR, T::kFC, true, kBRow, true>(acc, A, lda, W, ldw, r0, c0, K / 8, kFrags, lane);
+  }
+  template <typename F>
+  __device__ __forceinline__ void Each(int lane, F&& f) const {
+    ForEachAccPair(acc, r0, c0, kFrags, lane, f);
+  }
+};
+
+__device__ __forceinline__ float Elu(float v) { return v > 0.f ? v : expm1f(v); }
+
+// Global row pointers of a 64-row tile: rows >= R are neither read (zeros instead) nor written.
+struct Rows {
+  int64_t row0, R;
+  __device__ __forceinline__ bool Ok(int r) const { return row0 + r < R; }
+};
+
+__device__ __forceinline__ void Store2(float* p, float v0, float v1) {
+  *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+}
+
+// Loads a [64, K] float32 tile (rows >= R as zeros) into shared memory as TF32, row stride Ld(K) (K % 4 == 0).
+__device__ __forceinline__ void LoadTileTf32(float* dst, const float* __restrict__ src, int K, const Rows& rows) {
+  const int k4 = K / 4;
+  for (int i = threadIdx.x; i < kRows * k4; i += kThreads) {
+    const int r = i / k4, c = 4 * (i - r * k4);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (rows.Ok(r)) v = __ldg(reinterpret_cast<const float4*>(src + (rows.row0 + r) * K + c));
+    *reinterpret_cast<float4*>(dst + r * Ld(K) + c) = make_float4(Tf32(v.x), Tf32(v.y), Tf32(v.z), Tf32(v.w));
+  }
+}
+
+struct FwdArgs {
+  const float *x, *w2, *b2, *w1, *b1, *w45, *b45, *ws, *bs, *gamma, *beta;
+  float *y, *e2, *e1, *g, *zhat, *rstd;  // residuals nullptr when not saved
+  int64_t R;
+  int I;
+  float eps;
+};
+
+// Forward of one (64-row tile, instance): shared memory xs [64][Ld(I)] (TF32 x), hs [64][Ld(max(H, O))] (e2,
+// then e1, then z), gs [64][Ld(2 O)] (g = [g4 | g5], float32).
+template <int H, int O>
+__global__ void __launch_bounds__(kThreads, 1) grn_tc_fwd_kernel(const __grid_constant__ FwdArgs a) {
+  constexpr int HO = H > O ? H : O;
+  extern __shared__ __align__(16) float sm[];
+  const int I = a.I;
+  float* xs = sm;
+  float* hs = xs + kRows * Ld(I);
+  float* gs = hs + kRows * Ld(HO);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t v = blockIdx.y;
+  const Rows rows{static_cast<int64_t>(blockIdx.x) * kRows, a.R};
+  const bool skip = I != O;
+  const float* x = a.x + v * a.R * I;
+  const float* w2 = a.w2 + v * I * H;
+  const float* b2 = a.b2 + v * H;
+  const float* w1 = a.w1 + v * H * H;
+  const float* b1 = a.b1 + v * H;
+  const float* w45 = a.w45 + v * H * 2 * O;
+  const float* b45 = a.b45 + v * 2 * O;
+  const float* ws = skip ? a.ws + v * I * O : nullptr;
+  const float* bs = skip ? a.bs + v * O : nullptr;
+  const float* gamma = a.gamma + v * O;
+  const float* beta = a.beta + v * O;
+  const bool save = a.e2 != nullptr;
+  const int64_t base = v * a.R + rows.row0;  // the tile's first row in the [V * R] rows of every output
+
+  LoadTileTf32(xs, x, I, rows);
+  __syncthreads();
+
+  {  // e2 = ELU(x W2 + b2)
+    Product<H, true> p(warp);
+    p.Run(xs, Ld(I), w2, H, I, lane);
+    p.Each(lane, [&](int r, int c, float v0, float v1) {
+      v0 = Elu(v0 + __ldg(b2 + c));
+      v1 = Elu(v1 + __ldg(b2 + c + 1));
+      Store2(hs + r * Ld(HO) + c, Tf32(v0), Tf32(v1));
+      if (save && rows.Ok(r)) Store2(a.e2 + (base + r) * H + c, v0, v1);
+    });
+  }
+  __syncthreads();
+  {  // e1 = e2 W1 + b1 (in place: every warp has read e2 before any writes e1)
+    Product<H, true> p(warp);
+    p.Run(hs, Ld(HO), w1, H, H, lane);
+    __syncthreads();
+    p.Each(lane, [&](int r, int c, float v0, float v1) {
+      v0 += __ldg(b1 + c);
+      v1 += __ldg(b1 + c + 1);
+      Store2(hs + r * Ld(HO) + c, Tf32(v0), Tf32(v1));
+      if (save && rows.Ok(r)) Store2(a.e1 + (base + r) * H + c, v0, v1);
+    });
+  }
+  __syncthreads();
+  {  // g = e1 W45 + b45
+    Product<2 * O, true> p(warp);
+    p.Run(hs, Ld(HO), w45, 2 * O, H, lane);
+    p.Each(lane, [&](int r, int c, float v0, float v1) {
+      v0 += __ldg(b45 + c);
+      v1 += __ldg(b45 + c + 1);
+      Store2(gs + r * Ld(2 * O) + c, v0, v1);
+      if (save && rows.Ok(r)) Store2(a.g + (base + r) * 2 * O + c, v0, v1);
+    });
+  }
+  __syncthreads();  // gs complete; e1 read by every warp: hs takes z
+  if (skip) {  // z = x Ws + bs + g4 sigmoid(g5)
+    Product<O, true> p(warp);
+    p.Run(xs, Ld(I), ws, O, I, lane);
+    p.Each(lane, [&](int r, int c, float v0, float v1) {
+      const float* gr = gs + r * Ld(2 * O);
+      v0 += __ldg(bs + c) + gr[c] * Sigmoid(gr[O + c]);
+      v1 += __ldg(bs + c + 1) + gr[c + 1] * Sigmoid(gr[O + c + 1]);
+      Store2(hs + r * Ld(HO) + c, v0, v1);
+    });
+  } else {  // z = x + g4 sigmoid(g5), x unrounded from global
+    for (int i = threadIdx.x; i < kRows * O; i += kThreads) {
+      const int r = i / O, c = i - r * O;
+      const float* gr = gs + r * Ld(2 * O);
+      const float xv = rows.Ok(r) ? __ldg(x + (rows.row0 + r) * I + c) : 0.f;
+      hs[r * Ld(HO) + c] = xv + gr[c] * Sigmoid(gr[O + c]);
+    }
+  }
+  __syncthreads();
+
+  // LayerNorm a warp per row (jaxfox.grn.layer_norm's passes: shift by column 0, mean, correction, variance).
+  constexpr int kPer = O / 32;  // columns a lane: lane + 32 j
+  const float inv_o = 1.f / static_cast<float>(O);
+  for (int r = warp; r < kRows; r += kMmaWarps) {
+    if (!rows.Ok(r)) break;
+    const float* zr = hs + r * Ld(HO);
+    float d[kPer];
+    const float z0 = zr[0];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) d[j] = zr[lane + 32 * j] - z0;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) s += d[j];
+    const float mean = WarpSum(s) * inv_o;
+    s = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      d[j] -= mean;
+      s += d[j];
+    }
+    const float corr = WarpSum(s) * inv_o;
+    s = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      d[j] -= corr;
+      s += d[j] * d[j];
+    }
+    const float var = WarpSum(s) * inv_o;
+    const float rstd = rsqrtf(var + a.eps);
+    const int64_t row = base + r;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int c = lane + 32 * j;
+      const float zh = d[j] * rstd;
+      a.y[row * O + c] = zh * __ldg(gamma + c) + __ldg(beta + c);
+      if (save) a.zhat[row * O + c] = zh;
+    }
+    if (save && lane == 0) a.rstd[row] = rstd;
+  }
+}
+
+struct BwdArgs {
+  const float *dy, *e2, *g, *zhat, *rstd, *gamma, *w45, *w1, *w2, *ws;
+  float *dx, *dg, *de1, *da2, *dz, *gb;
+  int64_t R, tiles;
+  int I;
+};
+
+// dx = da2 W2^T + (dz Ws^T or dz) of a tile, N = I columns.
+template <int I, int H, int O>
+__device__ __forceinline__ void DxProduct(const BwdArgs& a, const float* hs, const float* dzs, const float* w2,
+                                          const float* ws, const Rows& rows, int64_t base, int warp, int lane) {
+  constexpr int HO = H > O ? H : O;
+  Product<I, false> p(warp);
+  p.Run(hs, Ld(HO), w2, H, H, lane);
+  if (I != O) p.Run(dzs, Ld(O), ws, O, O, lane);
+  p.Each(lane, [&](int r, int c, float v0, float v1) {
+    if (I == O) {
+      v0 += dzs[r * Ld(O) + c];
+      v1 += dzs[r * Ld(O) + c + 1];
+    }
+    if (rows.Ok(r)) Store2(a.dx + (base + r) * I + c, v0, v1);
+  });
+}
+
+// Backward of one (64-row tile, instance): shared memory dgs [64][Ld(2 O)] (TF32 dg), hs [64][Ld(max(H, O))]
+// (TF32 de1, then da2), dzs [64][Ld(O)] (dz: TF32 when it is the dense skip's A operand, else float32).
+template <int H, int O>
+__global__ void __launch_bounds__(kThreads, 1) grn_tc_bwd_kernel(const __grid_constant__ BwdArgs a) {
+  constexpr int HO = H > O ? H : O;
+  extern __shared__ __align__(16) float sm[];
+  const int I = a.I;
+  float* dgs = sm;
+  float* hs = dgs + kRows * Ld(2 * O);
+  float* dzs = hs + kRows * Ld(HO);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t v = blockIdx.y;
+  const Rows rows{static_cast<int64_t>(blockIdx.x) * kRows, a.R};
+  const bool skip = I != O;
+  const int64_t base = v * a.R + rows.row0;
+  const float* gamma = a.gamma + v * O;
+  const float* w45 = a.w45 + v * H * 2 * O;
+  const float* w1 = a.w1 + v * H * H;
+  const float* w2 = a.w2 + v * I * H;
+  const float* ws = skip ? a.ws + v * I * O : nullptr;
+
+  // The tile's [sum dy zhat | sum dy] (gamma, beta), rows in increasing order.
+  const int nrows = static_cast<int>(rows.R - rows.row0 < kRows ? rows.R - rows.row0 : kRows);
+  for (int c = threadIdx.x; c < 2 * O; c += kThreads) {
+    const int col = c < O ? c : c - O;
+    float s = 0.f;
+    for (int r = 0; r < nrows; ++r) {
+      const float d = __ldg(a.dy + (base + r) * O + col);
+      s += c < O ? d * __ldg(a.zhat + (base + r) * O + col) : d;
+    }
+    a.gb[(v * a.tiles + blockIdx.x) * 2 * O + c] = s;
+  }
+
+  // LayerNorm and GLU backward, a warp per row: dz, dg = [dg4 | dg5] (rows >= R: zeros in shared memory).
+  constexpr int kPer = O / 32;
+  const float inv_o = 1.f / static_cast<float>(O);
+  for (int r = warp; r < kRows; r += kMmaWarps) {
+    const bool ok = rows.Ok(r);
+    const int64_t row = base + r;
+    float gy[kPer], zh[kPer];
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int c = lane + 32 * j;
+      gy[j] = ok ? __ldg(a.dy + row * O + c) * __ldg(gamma + c) : 0.f;
+      zh[j] = ok ? __ldg(a.zhat + row * O + c) : 0.f;
+      s1 += gy[j];
+      s2 += gy[j] * zh[j];
+    }
+    const float mg = WarpSum(s1) * inv_o, mgz = WarpSum(s2) * inv_o;
+    const float rs = ok ? __ldg(a.rstd + row) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int c = lane + 32 * j;
+      const float dz = rs * (gy[j] - mg - zh[j] * mgz);
+      const float g4 = ok ? __ldg(a.g + row * 2 * O + c) : 0.f;
+      const float g5 = ok ? __ldg(a.g + row * 2 * O + O + c) : 0.f;
+      const float sg = Sigmoid(g5);
+      const float dg4 = dz * sg, dg5 = dz * g4 * sg * (1.f - sg);
+      dgs[r * Ld(2 * O) + c] = Tf32(dg4);
+      dgs[r * Ld(2 * O) + O + c] = Tf32(dg5);
+      dzs[r * Ld(O) + c] = skip ? Tf32(dz) : dz;
+      if (ok) {
+        a.dz[row * O + c] = dz;
+        a.dg[row * 2 * O + c] = dg4;
+        a.dg[row * 2 * O + O + c] = dg5;
+      }
+    }
+  }
+  __syncthreads();
+  {  // de1 = dg W45^T
+    Product<H, false> p(warp);
+    p.Run(dgs, Ld(2 * O), w45, 2 * O, 2 * O, lane);
+    p.Each(lane, [&](int r, int c, float v0, float v1) {
+      Store2(hs + r * Ld(HO) + c, Tf32(v0), Tf32(v1));
+      if (rows.Ok(r)) Store2(a.de1 + (base + r) * H + c, v0, v1);
+    });
+  }
+  __syncthreads();
+  {  // da2 = (de1 W1^T) ELU'(a2), ELU'(a2) = 1 where e2 > 0, else e2 + 1 (in place after every warp read de1)
+    Product<H, false> p(warp);
+    p.Run(hs, Ld(HO), w1, H, H, lane);
+    __syncthreads();
+    p.Each(lane, [&](int r, int c, float v0, float v1) {
+      float2 e = make_float2(0.f, 0.f);
+      if (rows.Ok(r)) e = __ldg(reinterpret_cast<const float2*>(a.e2 + (base + r) * H + c));
+      v0 *= e.x > 0.f ? 1.f : e.x + 1.f;
+      v1 *= e.y > 0.f ? 1.f : e.y + 1.f;
+      Store2(hs + r * Ld(HO) + c, Tf32(v0), Tf32(v1));
+      if (rows.Ok(r)) Store2(a.da2 + (base + r) * H + c, v0, v1);
+    });
+  }
+  __syncthreads();
+  switch (I) {
+    case 16: DxProduct<16, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
+    case 32: DxProduct<32, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
+    case 64: DxProduct<64, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
+    default: DxProduct<128, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
+  }
+}
+
+constexpr int64_t FwdSmem(int I, int H, int O) {
+  return 4LL * kRows * (Ld(I) + Ld(H > O ? H : O) + Ld(2 * O));
+}
+constexpr int64_t BwdSmem(int H, int O) { return 4LL * kRows * (Ld(2 * O) + Ld(H > O ? H : O) + Ld(O)); }
+
+bool WidthOk(int64_t n, bool input) {
+  return (input && n == 16) || n == 32 || n == 64 || n == 128;
+}
+
+// Calls f(kernel-template tag) for the (H, O) instantiation; H and O already checked.
+template <typename F>
+ffi::Error ByWidths(int H, int O, F&& f) {
+  auto pick = [&](auto h) -> ffi::Error {
+    constexpr int kH = decltype(h)::value;
+    switch (O) {
+      case 32: return f(std::integral_constant<int, kH>{}, std::integral_constant<int, 32>{});
+      case 64: return f(std::integral_constant<int, kH>{}, std::integral_constant<int, 64>{});
+      default: return f(std::integral_constant<int, kH>{}, std::integral_constant<int, 128>{});
+    }
+  };
+  switch (H) {
+    case 32: return pick(std::integral_constant<int, 32>{});
+    case 64: return pick(std::integral_constant<int, 64>{});
+    default: return pick(std::integral_constant<int, 128>{});
+  }
+}
+
+ffi::Error CheckWidths(int64_t I, int64_t H, int64_t O) {
+  if (!WidthOk(I, true) || !WidthOk(H, false) || !WidthOk(O, false)) {
+    return InvalidArgument("grn_tc: widths I=" + std::to_string(I) + ", hidden_size=" + std::to_string(H) +
+                           ", output_size=" + std::to_string(O) +
+                           " must be I in {16, 32, 64, 128} and hidden_size, output_size in {32, 64, 128}");
+  }
+  return ffi::Error::Success();
+}
+
+// FFI target jaxfox_grn_tc_fwd (contract: jaxfox/grn.py _grn_tc): x [.., R, I], w2 [.., I, H], b2 [.., H],
+// w1 [.., H, H], b1 [.., H], w45 [.., H, 2 O], b45 [.., 2 O], ws [.., I, O] and bs [.., O] (I != O) or
+// [.., 0, O] and [.., 0] (I == O), gamma, beta [.., O] -> y [.., R, O] and the residuals e2, e1 [.., Rs, H],
+// g [.., Rs, 2 O], zhat [.., Rs, O], rstd [.., Rs] with Rs = R when save, else 0. Weights TF32 values.
+ffi::Error GrnTcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w2,
+                        ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> w1, ffi::Buffer<ffi::F32> b1,
+                        ffi::Buffer<ffi::F32> w45, ffi::Buffer<ffi::F32> b45, ffi::Buffer<ffi::F32> ws,
+                        ffi::Buffer<ffi::F32> bs, ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> beta,
+                        int64_t hidden_size, int64_t output_size, float eps, int64_t save,
+                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> e2, ffi::ResultBuffer<ffi::F32> e1,
+                        ffi::ResultBuffer<ffi::F32> g, ffi::ResultBuffer<ffi::F32> zhat,
+                        ffi::ResultBuffer<ffi::F32> rstd) {
+  ClearStaleCudaError();
+  auto xd = x.dimensions();
+  if (xd.size() < 2) return InvalidArgument("grn_tc: x must have rank >= 2 [R, I], got " + DimsToString(xd));
+  const int64_t R = xd[xd.size() - 2], I = xd[xd.size() - 1], H = hidden_size, O = output_size;
+  JAXFOX_RETURN_IF_ERROR(CheckWidths(I, H, O));
+  if (!(eps > 0.f) || !std::isfinite(eps)) return InvalidArgument("grn_tc: eps must be a finite float > 0");
+  if (save != 0 && save != 1) return InvalidArgument("grn_tc: save must be 0 or 1");
+  const int64_t skip = I != O, Rs = save ? R : 0;
+  int64_t V = -1;
+  JAXFOX_RETURN_IF_ERROR(CheckShape(x, "grn_tc: x", {R, I}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w2, "grn_tc: w2", {I, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(b2, "grn_tc: b2", {H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w1, "grn_tc: w1", {H, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(b1, "grn_tc: b1", {H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w45, "grn_tc: w45", {H, 2 * O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(b45, "grn_tc: b45", {2 * O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(ws, "grn_tc: ws", {skip ? I : 0, O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(bs, "grn_tc: bs", {skip ? O : 0}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(gamma, "grn_tc: gamma", {O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(beta, "grn_tc: beta", {O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*y, "grn_tc: y", {R, O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*e2, "grn_tc: e2", {Rs, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*e1, "grn_tc: e1", {Rs, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*g, "grn_tc: g", {Rs, 2 * O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*zhat, "grn_tc: zhat", {Rs, O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*rstd, "grn_tc: rstd", {Rs}, &V));
+  if (V > 65535) return InvalidArgument("grn_tc: more than 65535 batched instances");
+  const int64_t tiles = CeilDiv(R, kRows);
+  if (tiles > 0x7fffffff) return InvalidArgument("grn_tc: too many rows");
+  if (V == 0 || R == 0) return ffi::Error::Success();
+  FwdArgs a{x.typed_data(), w2.typed_data(), b2.typed_data(), w1.typed_data(), b1.typed_data(),
+            w45.typed_data(), b45.typed_data(), skip ? ws.typed_data() : nullptr,
+            skip ? bs.typed_data() : nullptr, gamma.typed_data(), beta.typed_data(), y->typed_data(),
+            save ? e2->typed_data() : nullptr, save ? e1->typed_data() : nullptr,
+            save ? g->typed_data() : nullptr, save ? zhat->typed_data() : nullptr,
+            save ? rstd->typed_data() : nullptr, R, static_cast<int>(I), eps};
+  const int64_t bytes = FwdSmem(static_cast<int>(I), static_cast<int>(H), static_cast<int>(O));
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(V));
+  return ByWidths(static_cast<int>(H), static_cast<int>(O), [&](auto h, auto o) -> ffi::Error {
+    auto kernel = grn_tc_fwd_kernel<decltype(h)::value, decltype(o)::value>;
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem("grn_tc_fwd", kernel, bytes));
+    kernel<<<grid, kThreads, bytes, stream>>>(a);
+    return LastCudaError("grn_tc_fwd");
+  });
+}
+
+// FFI target jaxfox_grn_tc_bwd: dy [.., R, O], e2 [.., R, H], g [.., R, 2 O], zhat [.., R, O], rstd [.., R],
+// gamma [.., O], w45 [.., H, 2 O], w1 [.., H, H], w2 [.., I, H], ws [.., I, O] or [.., 0, O] -> dx [.., R, I],
+// dg [.., R, 2 O], de1, da2 [.., R, H], dz [.., R, O], gb [.., ceil(R / 64), 2 O].
+ffi::Error GrnTcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> e2,
+                        ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> zhat, ffi::Buffer<ffi::F32> rstd,
+                        ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> w45, ffi::Buffer<ffi::F32> w1,
+                        ffi::Buffer<ffi::F32> w2, ffi::Buffer<ffi::F32> ws, int64_t hidden_size,
+                        int64_t output_size, ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dg,
+                        ffi::ResultBuffer<ffi::F32> de1, ffi::ResultBuffer<ffi::F32> da2,
+                        ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> gb) {
+  ClearStaleCudaError();
+  auto wd = w2.dimensions();
+  auto yd = dy.dimensions();
+  if (wd.size() < 2 || yd.size() < 2) {
+    return InvalidArgument("grn_tc: w2 and dy must have rank >= 2, got " + DimsToString(wd) + " and " +
+                           DimsToString(yd));
+  }
+  const int64_t R = yd[yd.size() - 2], I = wd[wd.size() - 2], H = hidden_size, O = output_size;
+  JAXFOX_RETURN_IF_ERROR(CheckWidths(I, H, O));
+  const int64_t skip = I != O, tiles = CeilDiv(R, kRows);
+  int64_t V = -1;
+  JAXFOX_RETURN_IF_ERROR(CheckShape(dy, "grn_tc: dy", {R, O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(e2, "grn_tc: e2", {R, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(g, "grn_tc: g", {R, 2 * O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(zhat, "grn_tc: zhat", {R, O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(rstd, "grn_tc: rstd", {R}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(gamma, "grn_tc: gamma", {O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w45, "grn_tc: w45", {H, 2 * O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w1, "grn_tc: w1", {H, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(w2, "grn_tc: w2", {I, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(ws, "grn_tc: ws", {skip ? I : 0, O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*dx, "grn_tc: dx", {R, I}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*dg, "grn_tc: dg", {R, 2 * O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*de1, "grn_tc: de1", {R, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*da2, "grn_tc: da2", {R, H}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*dz, "grn_tc: dz", {R, O}, &V));
+  JAXFOX_RETURN_IF_ERROR(CheckShape(*gb, "grn_tc: gb", {tiles, 2 * O}, &V));
+  if (V > 65535) return InvalidArgument("grn_tc: more than 65535 batched instances");
+  if (tiles > 0x7fffffff) return InvalidArgument("grn_tc: too many rows");
+  if (V == 0 || R == 0) return ffi::Error::Success();
+  BwdArgs a{dy.typed_data(), e2.typed_data(), g.typed_data(), zhat.typed_data(), rstd.typed_data(),
+            gamma.typed_data(), w45.typed_data(), w1.typed_data(), w2.typed_data(),
+            skip ? ws.typed_data() : nullptr, dx->typed_data(), dg->typed_data(), de1->typed_data(),
+            da2->typed_data(), dz->typed_data(), gb->typed_data(), R, tiles, static_cast<int>(I)};
+  const int64_t bytes = BwdSmem(static_cast<int>(H), static_cast<int>(O));
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(V));
+  return ByWidths(static_cast<int>(H), static_cast<int>(O), [&](auto h, auto o) -> ffi::Error {
+    auto kernel = grn_tc_bwd_kernel<decltype(h)::value, decltype(o)::value>;
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem("grn_tc_bwd", kernel, bytes));
+    kernel<<<grid, kThreads, bytes, stream>>>(a);
+    return LastCudaError("grn_tc_bwd");
+  });
+}
+
+}  // namespace tc
+
 }  // namespace
 }  // namespace jaxfox
 
@@ -766,4 +1252,53 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_bwd, jaxfox::GrnBwdImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // da [R, I]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: per-CTA partials
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_tc_fwd, jaxfox::tc::GrnTcFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // x [R, I]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w2 [I, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // b2 [H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w1 [H, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // b1 [H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w45 [H, 2 O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // b45 [2 O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // ws [I, O] or [0, O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // bs [O] or [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // gamma [O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // beta [O]
+                                  .Attr<int64_t>("hidden_size")
+                                  .Attr<int64_t>("output_size")
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("save")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // y [R, O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // e2 [Rs, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // e1 [Rs, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // g [Rs, 2 O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // zhat [Rs, O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // rstd [Rs]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_tc_bwd, jaxfox::tc::GrnTcBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // dy [R, O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // e2 [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // g [R, 2 O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // zhat [R, O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd [R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // gamma [O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w45 [H, 2 O]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w1 [H, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w2 [I, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // ws [I, O] or [0, O]
+                                  .Attr<int64_t>("hidden_size")
+                                  .Attr<int64_t>("output_size")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dx [R, I]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dg [R, 2 O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // de1 [R, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // da2 [R, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dz [R, O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // gb [ceil(R / 64), 2 O]
                               {xla::ffi::Traits::kCmdBufferCompatible});

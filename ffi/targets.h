@@ -17,6 +17,8 @@
   X(jaxfox_adamw_apply)     \
   X(jaxfox_grn_fwd)         \
   X(jaxfox_grn_bwd)         \
+  X(jaxfox_grn_tc_fwd)      \
+  X(jaxfox_grn_tc_bwd)      \
   X(jaxfox_vsn_grn_fwd)     \
   X(jaxfox_vsn_grn_bwd)     \
   X(jaxfox_iqn_head_fwd)    \

@@ -60,12 +60,17 @@ __device__ __forceinline__ void Mma1688(float (&d)[4], const uint32_t (&a)[4], c
 // (kBRow) or B[col * ldb + k]. A and B point into shared memory (plain indexed loads: LDS with immediate
 // offsets); the operands are TF32 values already (rounded when they were written). Lane (g, t) loads
 // A(g | g + 8, t | t + 4) and B(t | t + 4, g) of each fragment, as the m16n8k8 MMA expects.
-template <int FR, int FC, bool kARow, bool kBRow>
+// kBGlobal: B is a read-only global array (weights, already TF32 values) read through the L1 (__ldg) instead of
+// shared memory.
+template <int FR, int FC, bool kARow, bool kBRow, bool kBGlobal = false>
 __device__ __forceinline__ void WarpMma(Frags<FR, FC>& acc, const float* A, int lda, const float* B, int ldb,
                                         int r0, int c0, int ksteps, int row_frags, int lane) {
   const int g = lane >> 2, t = lane & 3;
   auto a_at = [&](int row, int k) { return __float_as_uint(kARow ? A[row * lda + k] : A[k * lda + row]); };
-  auto b_at = [&](int k, int col) { return __float_as_uint(kBRow ? B[k * ldb + col] : B[col * ldb + k]); };
+  auto b_at = [&](int k, int col) {
+    const float* p = kBRow ? B + k * ldb + col : B + col * ldb + k;
+    return __float_as_uint(kBGlobal ? __ldg(p) : *p);
+  };
 #pragma unroll 2
   for (int ks = 0; ks < ksteps; ++ks) {
     const int k = 8 * ks + t;
@@ -110,6 +115,26 @@ __device__ __forceinline__ void StoreRows(float* dst, int ld, const Frags<FR, FC
         const int col = 16 * c0 + 8 * j + 2 * t;
         *reinterpret_cast<float2*>(dst + row * ld + col) = make_float2(acc.c[i][j][0], acc.c[i][j][1]);
         *reinterpret_cast<float2*>(dst + (row + 8) * ld + col) = make_float2(acc.c[i][j][2], acc.c[i][j][3]);
+      }
+    }
+  }
+}
+
+// Calls f(row, col, v0, v1) for every pair of adjacent accumulator values (v0 at column col, even; v1 at col + 1)
+// of the row fragments r0 + i < row_frags (row and column in the output).
+template <int FR, int FC, typename F>
+__device__ __forceinline__ void ForEachAccPair(const Frags<FR, FC>& acc, int r0, int c0, int row_frags, int lane,
+                                               F&& f) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < FR; ++i) {
+    if (r0 + i < row_frags) {
+      const int row = 16 * (r0 + i) + g;
+#pragma unroll
+      for (int j = 0; j < 2 * FC; ++j) {
+        const int col = 16 * c0 + 8 * j + 2 * t;
+        f(row, col, acc.c[i][j][0], acc.c[i][j][1]);
+        f(row + 8, col, acc.c[i][j][2], acc.c[i][j][3]);
       }
     }
   }
