@@ -30,9 +30,15 @@ fused) and the head GRN (I = 64, Hd = O = 32). On the H200 they are still not fa
 the XLA reference at the selection shape and 2048 rows, 0.71x at 16384, 0.86x for the head GRN at 32 rows; the
 perception step 692 us with them vs 700 us without, BENCHMARKS.md "fifteenth session"), so they run only
 when ``JAXFOX_OPT_IN_KERNELS`` names ``grn`` (or ``all``) at trace time, on CUDA. Wider GRNs, such as the
-issue's bench shape I = Hd = O = 128, and GRNs with a context always run the pure-JAX reference (there XLA's
-TF32 tensor-core matmuls beat CUDA-core kernels: a fused kernel measured 0.68x at 2048 rows, BENCHMARKS.md
-"2026-11-29 — attention_pool, GRN and VSN kernels"). By default, off CUDA, or under
+issue's bench shape I = Hd = O = 128, ran the pure-JAX reference (there XLA's TF32 tensor-core matmuls beat
+CUDA-core kernels: a fused kernel measured 0.68x at 2048 rows, BENCHMARKS.md "2026-11-29 — attention_pool, GRN
+and VSN kernels"). For them there are TF32 tensor-core kernels (``jaxfox_grn_tc_fwd`` / ``jaxfox_grn_tc_bwd``,
+``mma.sync`` m16n8k8, float32 accumulate, 64-row tiles; weights rounded to TF32 in Python, their gradients passed
+straight through as for XLA's TF32 dot): no context, I in {16, 32, 64, 128}, Hd and O in {32, 64, 128}, shapes the
+CUDA-core kernels do not take, and only at the default matmul precision (not "highest"); the backward kernel
+returns the activation gradients and the weight and bias gradients are one grouped split-K GEMM
+(:mod:`jaxfox.gemm`), so they are deterministic too. Also opt-in (``grn``); not yet measured on a GPU. GRNs with
+a context always run the reference. By default, off CUDA, or under
 :func:`jaxfox.use_reference`, the reference runs and its gradients are JAX autodiff.
 """
 
@@ -48,7 +54,8 @@ import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import check_array as _check_array, positive_float32, positive_int as _positive_int
-from jaxfox.reduce import backward_tiling, reduce_chunks
+from jaxfox.gemm import _precision_is_highest, _wgrad_call
+from jaxfox.reduce import _reduce_kernel, backward_tiling, reduce_chunks
 
 __all__ = ["grn_init", "grn", "layer_norm"]
 
@@ -347,10 +354,133 @@ def _grn_kernel_bwd(cfg, res, g):
 _grn_kernel.defvjp(_grn_kernel_fwd, _grn_kernel_bwd)
 
 
+# ----------------------------------------------------------------------------------------------
+# Tensor-core (TF32) kernel path (ffi/grn.cu namespace ``tc``): context-free GRNs of the widths below at
+# default matmul precision. Operands: x and the parameters as separate buffers, the weights rounded to TF32 here
+# (w45 = [w4 | w5]); the backward kernel returns the activation gradients, and the parameter gradients are one
+# grouped split-K GEMM (jaxfox.gemm, deterministic) plus a reduce_axis0 of the per-tile LayerNorm partials.
+_TC_ROWS = 64                 # ffi/grn.cu tc: rows a tile (one CTA of 256 threads a tile and vmap instance)
+_TC_INPUTS = (16, 32, 64, 128)
+_TC_WIDTHS = (32, 64, 128)    # Hd and O
+_TC_MAX_SMEM = 227 * 1024     # sm_90's opt-in dynamic shared memory per block
+
+
+def _tc_fits(I, C, H, O):
+    """Whether the TF32 kernels take a GRN of these widths: no context, I in {16, 32, 64, 128}, Hd and O in
+    {32, 64, 128}."""
+    return C == 0 and I in _TC_INPUTS and H in _TC_WIDTHS and O in _TC_WIDTHS
+
+
+def _tc_smem_bytes(I, H, O):
+    """(forward, backward) dynamic shared memory of the TF32 kernels, bytes (64-row tiles of the activations)."""
+    wide = max(H, O) + 4
+    return (4 * _TC_ROWS * ((I + 4) + wide + (2 * O + 4)),
+            4 * _TC_ROWS * ((2 * O + 4) + wide + (O + 4)))
+
+
+def _tc_smem_fits(I, H, O):
+    """Both kernels' shared memory <= 227 KB (sm_90; at most 131 KB for the shapes of :func:`_tc_fits`)."""
+    return max(_tc_smem_bytes(I, H, O)) <= _TC_MAX_SMEM
+
+
+class _TcCfg(NamedTuple):
+    hidden_size: int
+    output_size: int
+    eps: float
+
+
+def _tf32(w):
+    """w rounded to TF32 (10-bit mantissa, round to nearest even): the tensor cores' operand."""
+    return jax.lax.reduce_precision(w, exponent_bits=8, mantissa_bits=10)
+
+
+def _tc_operands(p):
+    """(w2 [I, Hd], b2, w1 [Hd, Hd], b1, w45 [Hd, 2 O], b45 [2 O], ws [I, O] or [0, O], bs [O] or [0], gamma, beta):
+    the parameter operands of jaxfox_grn_tc_fwd, weights TF32-rounded; ws/bs zero-size for the identity skip."""
+    O = p["w4"].shape[-1]
+    f32 = jnp.float32
+    w45 = _tf32(jnp.concatenate([p["w4"], p["w5"]], axis=-1))
+    b45 = jnp.concatenate([p["b4"], p["b5"]], axis=-1)
+    if "skip_w" in p:
+        ws, bs = _tf32(p["skip_w"]), p["skip_b"]
+    else:
+        ws, bs = jnp.zeros((0, O), f32), jnp.zeros((0,), f32)
+    return _tf32(p["w2"]), p["b2"], _tf32(p["w1"]), p["b1"], w45, b45, ws, bs, p["gamma"], p["beta"]
+
+
+def _grn_tc_call(cfg, ops, x, save):
+    """jaxfox_grn_tc_fwd: x [R, I] -> (y [R, O], e2 [Rs, Hd], e1 [Rs, Hd], g [Rs, 2 O], zhat [Rs, O], rstd [Rs]),
+    Rs = R when ``save`` (a backward follows), else 0."""
+    R = x.shape[0]
+    H, O = cfg.hidden_size, cfg.output_size
+    Rs = R if save else 0
+    sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    out = (sds(R, O), sds(Rs, H), sds(Rs, H), sds(Rs, 2 * O), sds(Rs, O), sds(Rs))
+    return _ffi_call("jaxfox_grn_tc_fwd", out, vmap_method="broadcast_all")(
+        x, *ops, hidden_size=np.int64(H), output_size=np.int64(O), eps=np.float32(cfg.eps), save=np.int64(save))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grn_tc(cfg, p, x):
+    """GRN(x) by the TF32 kernels: p the params of :func:`grn_init` (no ``w3``), x [R, I] float32 -> [R, O]."""
+    return _grn_tc_call(cfg, _tc_operands(p), x, save=False)[0]
+
+
+def _grn_tc_fwd(cfg, p, x):
+    ops = _tc_operands(p)
+    y, e2, e1, g, zhat, rstd = _grn_tc_call(cfg, ops, x, save=True)
+    w2, _, w1, _, w45, _, ws, _, gamma, _ = ops
+    p_like = jax.tree.map(lambda a: a.reshape(-1)[:0], p)   # zero-size: only the types, for psum_to_match
+    return y, (p_like, x, (w2, w1, w45, ws, gamma), e2, e1, g, zhat, rstd)
+
+
+def _grn_tc_bwd(cfg, res, dy):
+    """Activation gradients from jaxfox_grn_tc_bwd; dW = act^T d(pre-activation) and the bias gradients (column
+    sums) from one grouped wgrad call (TF32, split-K in a fixed order); [dgamma | dbeta] = the per-tile partials
+    summed by reduce_axis0. The gradient of a TF32-rounded weight is passed to the unrounded one (as XLA's TF32
+    dot: straight-through)."""
+    p_like, x, (w2, w1, w45, ws, gamma), e2, e1, g, zhat, rstd = res
+    R, I = x.shape
+    H, O = cfg.hidden_size, cfg.output_size
+    T = -(-R // _TC_ROWS)
+    sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    out = (sds(R, I), sds(R, 2 * O), sds(R, H), sds(R, H), sds(R, O), sds(T, 2 * O))
+    dx, dg, de1, da2, dz, gb = _ffi_call("jaxfox_grn_tc_bwd", out, vmap_method="broadcast_all")(
+        dy.astype(jnp.float32), e2, g, zhat, rstd, gamma, w45, w1, w2, ws,
+        hidden_size=np.int64(H), output_size=np.int64(O))
+    # wgrad groups (a, aoff, b, boff, c, coff, d, doff, M, N, K): C [K, N] = A^T B, D [N] = colsum(B)
+    args = [x, e2, e1, da2, de1, dg, dz]
+    groups = [(0, 3, I, H), (1, 4, H, H), (2, 5, H, 2 * O)] + ([(0, 6, I, O)] if "skip_w" in p_like else [])
+    rows, structs = [], []
+    for a, b, K, N in groups:
+        rows.append((a, 0, b, 0, len(structs), 0, len(structs) + 1, 0, R, N, K))
+        structs += [sds(K, N), sds(N)]
+    dW2, db2, dW1, db1, dW45, db45, *dskip = _wgrad_call(args, rows, structs, tf32=True)
+    gsum = _reduce_kernel(gb)                                                 # [2 O]
+    dp = {"w2": dW2, "b2": db2, "w1": dW1, "b1": db1, "w4": dW45[:, :O], "w5": dW45[:, O:],
+          "b4": db45[:O], "b5": db45[O:], "gamma": gsum[:O], "beta": gsum[O:]}
+    if dskip:
+        dp["skip_w"], dp["skip_b"] = dskip
+    leaves, tree = jax.tree.flatten(dp)
+    assert tree == jax.tree.structure(p_like), (tree, jax.tree.structure(p_like))
+    sums = psum_to_match(tuple(leaves) + (dx,), tuple(jax.tree.leaves(p_like)) + (x,))
+    return jax.tree.unflatten(tree, sums[:-1]), sums[-1]
+
+
+_grn_tc.defvjp(_grn_tc_fwd, _grn_tc_bwd)
+
+
+def _tc_routed(I, C, H, O):
+    """The TF32 kernels apply: widths of :func:`_tc_fits` (and their shared memory) at a default matmul precision
+    (not "highest"/float32, where the kernels' TF32 products would be less exact than XLA's)."""
+    return _tc_fits(I, C, H, O) and _tc_smem_fits(I, H, O) and not _precision_is_highest(None)
+
+
 def _grn_apply(params, a, c, eps, softmax=False):
     """a [R, I] float32, c [R, C] or None -> [R, O] float32: GRN(a, c), or its softmax over O when ``softmax``
-    (the VSN's selection weights). The kernels on CUDA when opted in (``JAXFOX_OPT_IN_KERNELS`` names ``grn``)
-    and :func:`_kernel_fits` (no context), else (and off CUDA) :func:`_grn_reference`."""
+    (the VSN's selection weights). On CUDA when opted in (``JAXFOX_OPT_IN_KERNELS`` names ``grn``) and without
+    context: the CUDA-core kernels where :func:`_kernel_fits`, else the TF32 kernels (:func:`_grn_tc`, no softmax)
+    where :func:`_tc_routed`; otherwise (and off CUDA) :func:`_grn_reference`."""
     R, I = a.shape
     C = 0 if c is None else c.shape[-1]
     H, O = params["w1"].shape[-1], params["w4"].shape[-1]
@@ -359,12 +489,16 @@ def _grn_apply(params, a, c, eps, softmax=False):
         y = _grn_reference(p, a, c, eps)
         return jax.nn.softmax(y, axis=-1) if softmax else y
 
-    if not kernel_opted_in("grn") or c is not None or not _kernel_fits(I, C, H, O) or R == 0:
+    if not kernel_opted_in("grn") or c is not None or R == 0:
         return reference(params, a, c)
-
-    def kernel(p, a):
-        return _grn_kernel(_KernelCfg(H, O, float(eps), bool(softmax)), _flat(p), a)
-
+    if _kernel_fits(I, C, H, O):      # the CUDA-core kernels keep the shapes they take
+        def kernel(p, a):
+            return _grn_kernel(_KernelCfg(H, O, float(eps), bool(softmax)), _flat(p), a)
+    elif not softmax and _tc_routed(I, C, H, O):
+        def kernel(p, a):
+            return _grn_tc(_TcCfg(H, O, float(eps)), p, a)
+    else:
+        return reference(params, a, c)
     return dispatch(kernel, reference, params, a, batch=(False, True))
 
 
@@ -396,7 +530,9 @@ def grn(params, a, context=None, *, eps=1e-5):
     With ``JAXFOX_OPT_IN_KERNELS=grn`` on CUDA, a GRN without context and with small widths (I <= 256,
     Hd <= 64, O <= 64: module docstring) runs the fused kernels of ``ffi/grn.cu`` (forward and a
     ``jax.custom_vjp`` backward, parameter gradients summed in a fixed order: bitwise reproducible);
-    they are not faster than XLA on the H200 so far, hence opt-in. That kernel path is reverse mode of
+    they are not faster than XLA on the H200 so far, hence opt-in. Wider context-free GRNs (I in {16, 32, 64, 128},
+    Hd and O in {32, 64, 128}) run TF32 tensor-core kernels there instead, at the default matmul precision only
+    (module docstring). That kernel path is reverse mode of
     order 1 only: forward mode (``jax.jvp``, ``jax.jacfwd``) and higher derivatives raise there (trace them
     inside :func:`jaxfox.use_reference`).
 

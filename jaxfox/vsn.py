@@ -25,10 +25,12 @@ it has no context and its widths fit (input m d <= 256, Hd <= 64, output m <= 64
 slower than XLA so far, see :mod:`jaxfox.grn`). The forward's weighted sum is XLA code. The weighted sum's backward is in the backward kernel: it takes v [R, m] and d out [R, O] instead of
 the [R, m, O] cotangent of the GRNs' outputs (dy = v * d out, formed in registers) and returns d v [R, m]
 (sum_o d out * y, from its recomputed y). Wider
-GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference everywhere: there XLA's
+GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference by default: there XLA's
 TF32 tensor-core matmuls beat the CUDA-core kernels (a fused VSN kernel measured 0.35x at 2048 rows,
-BENCHMARKS.md "2026-11-29"). Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its
-gradients are JAX autodiff.
+BENCHMARKS.md "2026-11-29"). With ``JAXFOX_OPT_IN_KERNELS=grn``, at the default matmul precision, per-variable
+GRNs of the widths d in {16, 32, 64, 128}, Hd and O in {32, 64, 128} (the bench shape among them) run
+:mod:`jaxfox.grn`'s TF32 tensor-core kernels vmapped over the m variables (:func:`_combine_tc`; not yet measured
+on a GPU). Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its gradients are JAX autodiff.
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import positive_float32, positive_int as _positive_int
 from jaxfox.grn import (
-    _FLAT_KEYS, _check_context, _check_input, _common_dtype, _grn_apply, _grn_sizes, grn_init,
-    layer_norm,
+    _FLAT_KEYS, _TcCfg, _check_context, _check_input, _common_dtype, _grn_apply, _grn_sizes, _grn_tc, _tc_routed,
+    grn_init, layer_norm,
 )
 from jaxfox.reduce import backward_tiling, reduce_chunks
 
@@ -204,22 +206,36 @@ def _kernel_fits(m, d, H, O):
     return max(d, H, O) <= KERNEL_MAX_WIDTH and m <= 65535
 
 
+def _combine_tc(cfg, p, x, v):
+    """sum_j v[r, j] GRN_j(x[r, j]) by :mod:`jaxfox.grn`'s TF32 kernels (``jaxfox_grn_tc_fwd``/``_bwd``), vmapped
+    over the m variables (one call each way with a leading instance axis m; the weight gradients one grouped
+    wgrad call over the m instances): p stacked (leading m), x [R, m, d], v [R, m] float32 -> [R, O] float32."""
+    y = jax.vmap(lambda q, xt: _grn_tc(cfg, q, xt))(p, jnp.moveaxis(x, 1, 0))     # [m, R, O]
+    return _weighted_sum(v, jnp.moveaxis(y, 0, 1))
+
+
 def _grn_combined(p, x, v, eps):
     """The m per-variable GRNs combined by the selection weights: x [R, m, d], v [R, m] float32 -> [R, O]
     float32, sum_j v[r, j] GRN_j(x[r, j]): the fused kernels on CUDA when the widths fit
-    (:data:`KERNEL_MAX_WIDTH`), else (and off CUDA) :func:`_grn_stacked_reference` and the weighted sum."""
+    (:data:`KERNEL_MAX_WIDTH`); else, when ``JAXFOX_OPT_IN_KERNELS`` names ``grn`` and at the default matmul
+    precision, :func:`_combine_tc` for the widths of :func:`jaxfox.grn._tc_fits` (d in {16, 32, 64, 128}, Hd and O
+    in {32, 64, 128}); else (and off CUDA) :func:`_grn_stacked_reference` and the weighted sum."""
     R, m, d = x.shape
     H, O = p["w1"].shape[-1], p["w4"].shape[-1]
 
     def reference(p, x, v):
         return _weighted_sum(v, _grn_stacked_reference(p, x, eps))
 
-    if not _kernel_fits(m, d, H, O) or R == 0:
+    if R == 0:
         return reference(p, x, v)
-
-    def kernel(p, x, v):
-        return _combine_kernel(_StackCfg(H, O, float(eps)), _stack_flat(p), x, v)
-
+    if _kernel_fits(m, d, H, O):
+        def kernel(p, x, v):
+            return _combine_kernel(_StackCfg(H, O, float(eps)), _stack_flat(p), x, v)
+    elif kernel_opted_in("grn") and m <= 65535 and _tc_routed(d, 0, H, O):
+        def kernel(p, x, v):
+            return _combine_tc(_TcCfg(H, O, float(eps)), p, x, v)
+    else:
+        return reference(p, x, v)
     return dispatch(kernel, reference, p, x, v, batch=(False, True, True))
 
 

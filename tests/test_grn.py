@@ -579,3 +579,233 @@ def test_output_size_one_is_the_constant_beta():
     np.testing.assert_array_equal(np.asarray(jaxfox.grn(p, a)), np.full((5, 1), 0.75, np.float32))
     g = jax.grad(lambda p: jaxfox.grn(p, a).sum())(p)
     assert float(np.abs(np.asarray(g["w2"])).max()) == 0.0 and float(np.asarray(g["beta"])[0]) == 5.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The TF32 tensor-core kernels (ffi/grn.cu namespace tc, jaxfox.grn._grn_tc): routing, their CUDA lowering, and the
+# Python wiring (operands, the grouped wgrad, reduce_axis0, the cotangent tree) run against a NumPy emulation of
+# the FFI targets.
+TC_FWD, TC_BWD = "jaxfox_grn_tc_fwd", "jaxfox_grn_tc_bwd"
+WGRAD, REDUCE = "jaxfox_grouped_wgrad", "jaxfox_reduce_axis0"
+
+
+def test_tc_fits_truth_table():
+    fits, smem = grn_mod._tc_fits, grn_mod._tc_smem_bytes
+    for I in (16, 32, 64, 128):
+        for H in (32, 64, 128):
+            for O in (32, 64, 128):
+                assert fits(I, 0, H, O) is True and grn_mod._tc_smem_fits(I, H, O) is True
+    for shape in [(48, 0, 128, 128), (8, 0, 128, 128), (256, 0, 128, 128), (128, 0, 16, 128), (128, 0, 128, 96),
+                  (128, 0, 256, 128), (128, 5, 128, 128)]:
+        assert fits(*shape) is False, shape
+    # 64 rows x (row stride = width + 4 floats) per tile buffer: fwd [I | max(H, O) | 2 O], bwd [2 O | max(H, O) | O]
+    assert smem(16, 32, 64) == (4 * 64 * (20 + 68 + 132), 4 * 64 * (132 + 68 + 68))
+    assert smem(128, 128, 128) == (4 * 64 * 524, 4 * 64 * 524) and max(smem(128, 128, 128)) <= 227 * 1024
+    assert grn_mod._tc_smem_fits(1024, 1024, 1024) is False
+
+
+@pytest.mark.parametrize("I,H,O", [(128, 128, 128), (16, 128, 128), (128, 64, 64)])
+def test_tc_path_lowers_for_cuda(kernels_on, I, H, O):
+    """Shapes the CUDA-core kernels do not take (Hd or O = 128; I = 128 with Hd = O = 64) run the TF32 kernels: the
+    forward (save = 0 outside jax.grad: zero-row residuals), the backward, one grouped wgrad for the weight and bias
+    gradients (TF32) and one reduce_axis0 of the per-tile [sum dy zhat | sum dy]."""
+    assert not grn_mod._kernel_fits(I, 0, H, O)
+    R, T = 100, 2
+    p = random_grn_params(I, H, O, seed=I + H)
+    calls = cuda_custom_calls(_value_and_grad(), p, jnp.zeros((R, I)), jnp.zeros((R, O)))
+    assert set(calls) == {TC_FWD, TC_BWD, WGRAD, REDUCE}, set(calls)
+    assert len(calls[TC_FWD]) == 2 and all(len(calls[k]) == 1 for k in (TC_BWD, WGRAD, REDUCE))
+    t = lambda *s: "tensor<" + "x".join(map(str, s)) + "xf32>"  # noqa: E731
+    skip = f"{t(I, O)}, {t(O)}" if I != O else f"{t(0, O)}, {t(0)}"
+    ops = (f"({t(R, I)}, {t(I, H)}, {t(H)}, {t(H, H)}, {t(H)}, {t(H, 2 * O)}, {t(2 * O)}, {skip}, {t(O)}, {t(O)}) -> "
+           f"({t(R, O)}, ")
+    for save, Rs in ((0, 0), (1, R)):
+        res = f"{t(Rs, H)}, {t(Rs, H)}, {t(Rs, 2 * O)}, {t(Rs, O)}, {t(Rs)})"
+        (c,) = [c for c in calls[TC_FWD] if f"save = {save} : i64" in c]
+        assert ops + res in c, c[-600:]
+        assert f"hidden_size = {H} : i64" in c and f"output_size = {O} : i64" in c and "eps = 9.99999974E-6" in c
+    bwd = calls[TC_BWD][0]
+    ws = t(I, O) if I != O else t(0, O)
+    assert (f"({t(R, O)}, {t(R, H)}, {t(R, 2 * O)}, {t(R, O)}, {t(R)}, {t(O)}, {t(H, 2 * O)}, {t(H, H)}, {t(I, H)}, "
+            f"{ws}) -> ({t(R, I)}, {t(R, 2 * O)}, {t(R, H)}, {t(R, H)}, {t(R, O)}, {t(T, 2 * O)})") in bwd, bwd[-600:]
+    wg = calls[WGRAD][0]
+    # operands x, e2, e1, da2, de1, dg, dz; results dW2, db2, dW1, db1, dW45, db45 (dWs, dbs), workspace
+    assert f"({t(R, I)}, {t(R, H)}, {t(R, H)}, {t(R, H)}, {t(R, H)}, {t(R, 2 * O)}, {t(R, O)}) -> " in wg
+    dws = f"{t(I, H)}, {t(H)}, {t(H, H)}, {t(H)}, {t(H, 2 * O)}, {t(2 * O)}, " + (f"{t(I, O)}, {t(O)}, " if I != O else "")
+    assert f"-> ({dws}tensor<" in wg and "tf32 = 1 : i64" in wg, wg[-600:]
+    assert f"({t(T, 2 * O)}) -> ({t(2 * O)}, " in calls[REDUCE][0]
+    with jaxfox.use_reference():
+        assert cuda_custom_calls(_value_and_grad(), p, jnp.zeros((R, I)), jnp.zeros((R, O))) == {}
+
+
+@pytest.mark.parametrize("case", ["cuda_core_kernel", "I=48", "highest", "float32", "softmax", "context", "opt_out"])
+def test_tc_path_is_not_taken(kernels_on, monkeypatch, case):
+    """The TF32 kernels only for context-free GRNs of their widths that the CUDA-core kernels do not take, at the
+    default matmul precision, opted in, without the softmax."""
+    I, H, O, C = {"cuda_core_kernel": (32, 64, 64, None), "I=48": (48, 128, 128, None),
+                  "context": (128, 128, 128, 5)}.get(case, (128, 128, 128, None))
+    if case == "opt_out":
+        monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "attention_pool")
+    p = random_grn_params(I, H, O, C, seed=9)
+    a, r = jnp.zeros((70, I)), jnp.zeros((70, O))
+    f, args = _value_and_grad(), (p, a, r)
+    if case == "softmax":
+        f, args = lambda p, a: jax.grad(lambda p: jnp.sum(grn_mod._grn_apply(p, a, None, 1e-5, softmax=True)))(p), (p, a)
+    elif C is not None:
+        f, args = lambda p, a, c: jax.grad(lambda p: jnp.sum(grn(p, a, c)))(p), (p, a, jnp.zeros((70, C)))
+    if case in ("highest", "float32"):
+        with jax.default_matmul_precision(case):
+            calls = cuda_custom_calls(f, *args)
+    else:
+        calls = cuda_custom_calls(f, *args)
+    assert TC_FWD not in calls and TC_BWD not in calls and WGRAD not in calls, set(calls)
+    if case == "cuda_core_kernel":
+        assert grn_mod._tc_fits(I, 0, H, O) and {GRN_FWD, GRN_BWD} <= set(calls)
+    else:
+        assert calls == {}
+
+
+# A NumPy float64 emulation of the FFI targets that the TF32 path calls, written from their contracts (the comments
+# of ffi/grn.cu tc and ffi/grouped_gemm.cu, jaxfox/grn.py _grn_tc), independent of jaxfox's code. It runs through
+# jax.pure_callback with vmap_method="broadcast_all", so every operand carries the same leading (vmap) dims, as the
+# FFI handlers see them.
+def _is_tf32(w):
+    return bool(np.all((np.asarray(w, np.float32).view(np.uint32) & 0x1FFF) == 0))
+
+
+def np_tf32(w):
+    """float32 -> TF32 (10 mantissa bits), round to nearest even, in NumPy (finite values)."""
+    u = np.asarray(w, np.float32).view(np.uint32)
+    u = (u + np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return u.view(np.float32)
+
+
+def _row(b):
+    return b[..., None, :]
+
+
+def _T(w):
+    return np.swapaxes(w, -1, -2)
+
+
+def _np_tc_fwd(structs, x, w2, b2, w1, b1, w45, b45, ws, bs, gamma, beta, *, hidden_size, output_size, eps, save):
+    assert type(hidden_size) is np.int64 and type(output_size) is np.int64 and type(save) is np.int64
+    assert type(eps) is np.float32
+    H, O, I = int(hidden_size), int(output_size), x.shape[-1]
+    assert w2.shape[-2:] == (I, H) and w1.shape[-2:] == (H, H) and w45.shape[-2:] == (H, 2 * O)
+    assert ws.shape[-2:] == ((I, O) if I != O else (0, O)) and bs.shape[-1] == (O if I != O else 0)
+    assert all(_is_tf32(w) for w in (w2, w1, w45, ws)), "weights must arrive TF32-rounded"
+    x, w2, b2, w1, b1, w45, b45, ws, bs, gamma, beta = (np.asarray(v, np.float64) for v in
+                                                        (x, w2, b2, w1, b1, w45, b45, ws, bs, gamma, beta))
+    e2 = np_elu(x @ w2 + _row(b2))
+    e1 = e2 @ w1 + _row(b1)
+    g = e1 @ w45 + _row(b45)
+    z = (x @ ws + _row(bs) if I != O else x) + g[..., :O] * np_sigmoid(g[..., O:])
+    mu = z.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((z - mu) ** 2).mean(-1, keepdims=True) + float(eps))
+    zhat = (z - mu) * rstd
+    Rs = x.shape[-2] if save else 0
+    outs = [zhat * _row(gamma) + _row(beta)] + [v[..., :Rs, :] for v in (e2, e1, g, zhat)] + [rstd[..., :Rs, 0]]
+    return tuple(np.asarray(v, np.float32) for v in outs)
+
+
+def _np_tc_bwd(structs, dy, e2, g, zhat, rstd, gamma, w45, w1, w2, ws, *, hidden_size, output_size):
+    assert type(hidden_size) is np.int64 and type(output_size) is np.int64
+    assert all(_is_tf32(w) for w in (w2, w1, w45, ws))
+    O, I = int(output_size), w2.shape[-2]
+    dy, e2, g, zhat, rstd, gamma, w45, w1, w2, ws = (np.asarray(v, np.float64) for v in
+                                                     (dy, e2, g, zhat, rstd, gamma, w45, w1, w2, ws))
+    gy = dy * _row(gamma)
+    dz = rstd[..., None] * (gy - gy.mean(-1, keepdims=True) - zhat * (gy * zhat).mean(-1, keepdims=True))
+    s = np_sigmoid(g[..., O:])
+    dg = np.concatenate([dz * s, dz * g[..., :O] * s * (1 - s)], -1)
+    de1 = dg @ _T(w45)
+    da2 = (de1 @ _T(w1)) * np.where(e2 > 0, 1.0, e2 + 1.0)
+    dx = da2 @ _T(w2) + (dz @ _T(ws) if I != O else dz)
+    R = dy.shape[-2]
+    tiles = -(-R // 64)
+    q = np.concatenate([dy * zhat, dy], -1)
+    q = np.pad(q, [(0, 0)] * (q.ndim - 2) + [(0, tiles * 64 - R), (0, 0)])
+    gb = q.reshape(q.shape[:-2] + (tiles, 64, 2 * O)).sum(-2)
+    return tuple(np.asarray(v, np.float32) for v in (dx, dg, de1, da2, dz, gb))
+
+
+def _np_grouped_wgrad(structs, *args, table, arg_ranks, ret_ranks, tf32):
+    """C [K, N] = A^T B and D [N] = colsum B per table row (a, aoff, b, boff, c, coff, d, doff, M, N, K, splits,
+    split_len); the leading dims beyond arg_ranks are the vmap instances; the last result is the workspace."""
+    assert type(tf32) is np.int64 and int(tf32) == 1
+    assert list(arg_ranks) == [len(a.shape) - (len(args[0].shape) - arg_ranks[0]) for a in args]
+    assert list(ret_ranks) == [len(s.shape) for s in structs]
+    lead = args[0].shape[:len(args[0].shape) - int(arg_ranks[0])]
+    V = int(np.prod(lead, dtype=np.int64))
+    ins = [np.asarray(a, np.float64).reshape(V, -1) for a in args]
+    outs = [np.zeros((V, math.prod(s.shape)), np.float64) for s in structs]
+    for a, ao, b, bo, c, co, d, do, M, N, K, S, L in np.asarray(table).reshape(-1, 13):
+        assert S * L >= M and c < len(structs) - 1 and d < len(structs) - 1
+        A = ins[a][:, ao:ao + M * K].reshape(V, M, K)
+        B = ins[b][:, bo:bo + M * N].reshape(V, M, N)
+        assert A.shape == (V, M, K) and B.shape == (V, M, N)
+        outs[c][:, co:co + K * N] = np.einsum("vmk,vmn->vkn", A, B).reshape(V, K * N)
+        if d >= 0:
+            outs[d][:, do:do + N] = B.sum(1)
+    return tuple(o.reshape(lead + tuple(s.shape)).astype(np.float32) for o, s in zip(outs, structs))
+
+
+def _np_reduce_axis0(structs, x, *, chunks):
+    x = np.asarray(x, np.float64)
+    return x.sum(-2).astype(np.float32), np.zeros(x.shape[:-2] + structs[1].shape, np.float32)
+
+
+_NP_TARGETS = {TC_FWD: _np_tc_fwd, TC_BWD: _np_tc_bwd, WGRAD: _np_grouped_wgrad, REDUCE: _np_reduce_axis0}
+
+
+def _emulated_ffi_call(target, result_shape_dtypes, vmap_method=None):
+    assert vmap_method == "broadcast_all", vmap_method
+    impl = _NP_TARGETS[target]
+    structs = tuple(result_shape_dtypes)
+
+    def call(*args, **attrs):
+        cb = lambda *xs: impl(structs, *xs, **attrs)  # noqa: E731
+        return jax.pure_callback(cb, structs, *args, vmap_method="broadcast_all")
+
+    return call
+
+
+@pytest.fixture
+def tc_emulated(monkeypatch):
+    """The FFI calls of jaxfox.grn, jaxfox.gemm and jaxfox.reduce served by the NumPy emulation above."""
+    for name in ("jaxfox.grn", "jaxfox.gemm", "jaxfox.reduce"):
+        monkeypatch.setattr(importlib.import_module(name), "_ffi_call", _emulated_ffi_call)
+
+
+def tf32_weights(p):
+    """p with its weight matrices rounded to TF32 (np_tf32), the other leaves as they are."""
+    return {k: jnp.asarray(np_tf32(v)) if k in ("w2", "w1", "w4", "w5", "skip_w") else v for k, v in p.items()}
+
+
+@pytest.mark.parametrize("I,H,O", [(16, 32, 64), (32, 64, 32)])
+def test_tc_wiring_matches_autodiff_emulated(tc_emulated, I, H, O):
+    """_grn_tc with its FFI targets emulated in float64 NumPy from their contracts: value and jax.grad (every
+    parameter leaf and x) equal the reference's autodiff at precision "highest" evaluated at the TF32-rounded
+    weights (rounded here in NumPy, independently). So the Python side rounds the weights (the emulation also
+    checks each weight operand is a TF32 value), orders the operands, builds the wgrad table, splits dW45 and
+    b45, reduces the LayerNorm partials and passes the rounded weights' gradients straight through to the
+    unrounded ones. The emulation does not round activations to TF32 (the kernels do): that is the GPU tests'
+    business. I != O (dense skip) and I == O (identity skip); R = 100 rows: one full and one partial tile."""
+    R, eps = 100, 1e-5
+    p = random_grn_params(I, H, O, seed=I + O)
+    rng = np.random.default_rng(I)
+    x = jnp.asarray(rng.standard_normal((R, I)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((R, O)), jnp.float32)
+    cfg = grn_mod._TcCfg(H, O, eps)
+    y = jax.jit(lambda p, x: grn_mod._grn_tc(cfg, p, x))(p, x)
+    g = jax.jit(jax.grad(lambda p, x: jnp.sum(grn_mod._grn_tc(cfg, p, x) * r), argnums=(0, 1)))(p, x)
+    pr = tf32_weights(p)
+    with jax.default_matmul_precision("highest"):
+        y_ref = grn_mod._grn_reference(pr, x, None, eps)
+        g_ref = jax.grad(lambda p, x: jnp.sum(grn_mod._grn_reference(p, x, None, eps) * r), argnums=(0, 1))(pr, x)
+    assert rel_err(pr["w1"], p["w1"]) > 1e-5            # the rounding is visible at this tolerance
+    assert_f32_close(y, y_ref, 1e-5)
+    assert set(g[0]) == set(p) and ("skip_w" in p) == (I != O)
+    assert_tree_close(g[0], g_ref[0], 1e-5)
+    assert_f32_close(g[1], g_ref[1], 1e-5)

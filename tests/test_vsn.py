@@ -20,7 +20,8 @@ from jax.test_util import check_grads
 import jaxfox
 from conftest import assert_raises_naming as _bad, cuda_custom_calls, rel_err
 from jaxfox import vsn, vsn_init
-from test_grn import assert_f32_close, assert_tree_close, fd_grads, np_grn
+from test_grn import assert_f32_close, assert_tree_close, fd_grads, np_grn, tf32_weights
+from test_grn import TC_BWD, TC_FWD, REDUCE, WGRAD, tc_emulated  # noqa: F401 (tc_emulated: a fixture)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,3 +365,78 @@ def test_bwd_tiling_covers_every_row_tile_once(R, m):
         assert blocks * m <= _TARGET_BWD_BLOCKS + m
     else:
         assert per == 1 and blocks == tiles
+
+
+# ----------------------------------------------------------------------------------------------
+# Wider per-variable GRNs on jaxfox.grn's TF32 kernels (opt-in ``grn``), vmapped over the m variables.
+def test_tc_path_lowers_for_cuda(kernels_on, monkeypatch):
+    """m = 4, d = 16, Hd = O = 128 (the bench widths): one TF32 forward and backward call with a leading instance
+    axis m, one grouped wgrad over the m instances, one reduce_axis0; the selection GRN (Hd = 128, softmax) and
+    everything else is XLA code."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn")
+    m, d, H, O, R = 4, 16, 128, 128, 100
+    p = vsn_init(jax.random.key(3), m, d, H, O)
+    xs = jnp.zeros((4, 25, m, d))
+    calls = cuda_custom_calls(_grad_fn(), p, xs)
+    assert set(calls) == {TC_FWD, TC_BWD, WGRAD, REDUCE} and all(len(c) == 1 for c in calls.values()), set(calls)
+    t = lambda *s: "tensor<" + "x".join(map(str, s)) + "xf32>"  # noqa: E731
+    assert f"({t(m, R, d)}, {t(m, d, H)}, {t(m, H)}, {t(m, H, H)}, " in calls[TC_FWD][0]
+    assert f"-> ({t(m, R, O)}, {t(m, R, H)}, " in calls[TC_FWD][0] and "save = 1 : i64" in calls[TC_FWD][0]
+    assert f"-> ({t(m, R, d)}, {t(m, R, 2 * O)}, " in calls[TC_BWD][0]
+    assert (f"-> ({t(m, d, H)}, {t(m, H)}, {t(m, H, H)}, {t(m, H)}, {t(m, H, 2 * O)}, {t(m, 2 * O)}, {t(m, d, O)}, "
+            f"{t(m, O)}, ") in calls[WGRAD][0]
+    assert f"({t(m, 2, 2 * O)}) -> ({t(m, 2 * O)}, " in calls[REDUCE][0]
+    with jaxfox.use_reference():
+        assert cuda_custom_calls(_grad_fn(), p, xs) == {}
+
+
+@pytest.mark.parametrize("case", ["opt_out", "highest", "d=48", "vsn_kernel"])
+def test_tc_path_is_not_taken(kernels_on, monkeypatch, case):
+    """Not opted in, "highest" precision, or d outside {16, 32, 64, 128}: XLA code; widths <= 32 keep the vsn
+    kernels."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "" if case == "opt_out" else "grn")
+    m, d, H, O = (4, 48, 128, 128) if case == "d=48" else (4, 16, 32, 32) if case == "vsn_kernel" else (4, 16, 128, 128)
+    p = vsn_init(jax.random.key(4), m, d, H, O)
+    xs = jnp.zeros((70, m, d))
+    if case == "highest":
+        with jax.default_matmul_precision("highest"):
+            calls = cuda_custom_calls(_grad_fn(), p, xs)
+    else:
+        calls = cuda_custom_calls(_grad_fn(), p, xs)
+    if case == "vsn_kernel":
+        assert {FWD, BWD} <= set(calls) and TC_FWD not in calls and WGRAD not in calls, set(calls)
+    else:
+        assert calls == {}
+
+
+@pytest.mark.usefixtures("tc_emulated")
+def test_tc_wiring_matches_autodiff_emulated():
+    """_combine_tc (jax.vmap of jaxfox.grn._grn_tc over m = 3 variables, then the weighted sum) with the FFI targets
+    emulated in float64 NumPy (test_grn.py: they receive every operand with the leading instance axis m, as the
+    handlers do under broadcast_all): value and gradients (every stacked parameter leaf, x, v) equal the stacked
+    reference's autodiff at precision "highest" evaluated at the TF32-rounded weights (see test_grn.py's
+    test_tc_wiring_matches_autodiff_emulated)."""
+    from jaxfox.grn import _TcCfg
+    from jaxfox.vsn import _combine_tc, _grn_stacked_reference, _weighted_sum
+
+    m, d, H, O, R, eps = 3, 16, 32, 64, 70, 1e-5
+    p = random_vsn_params(m, d, H, O, seed=8)["variables"]
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((R, m, d)), jnp.float32)
+    v = jax.nn.softmax(jnp.asarray(rng.standard_normal((R, m)), jnp.float32))
+    r = jnp.asarray(rng.standard_normal((R, O)), jnp.float32)
+    cfg = _TcCfg(H, O, eps)
+    y = jax.jit(lambda p, x, v: _combine_tc(cfg, p, x, v))(p, x, v)
+    g = jax.jit(jax.grad(lambda p, x, v: jnp.sum(_combine_tc(cfg, p, x, v) * r), argnums=(0, 1, 2)))(p, x, v)
+    pr = tf32_weights(p)
+
+    def ref(p, x, v):
+        return _weighted_sum(v, _grn_stacked_reference(p, x, eps))
+
+    with jax.default_matmul_precision("highest"):
+        y_ref = ref(pr, x, v)
+        g_ref = jax.grad(lambda p, x, v: jnp.sum(ref(p, x, v) * r), argnums=(0, 1, 2))(pr, x, v)
+    assert_f32_close(y, y_ref, 1e-5)
+    assert_tree_close(g[0], g_ref[0], 1e-5)
+    assert_f32_close(g[1], g_ref[1], 1e-5)
+    assert_f32_close(g[2], g_ref[2], 1e-5)
