@@ -12,6 +12,11 @@ Errors are ``conftest.rel_err`` (||a - b|| / ||b||) per output and per gradient 
 
 Compiled programs are cached per (step, path, argument shapes) in ``_COMPILED`` so that the tests of one process
 share them (40 distinct compilations in all; the command-buffer test's two children compile their own).
+
+The last section (``test_tc_*``) tests the tensor-core (TF32) kernels jaxfox_grn_tc_fwd / jaxfox_grn_tc_bwd, which
+run at the DEFAULT matmul precision only, for Hd or O > 64: there the comparisons are with ``np_grn64_vjp`` (float64
+value and gradients written from the equations), each within 3x XLA's own TF32 error (measured in the same test)
+plus a small slack, and between kernel runs bitwise (the section's comment gives the reasons and the calibration).
 """
 
 from __future__ import annotations
@@ -499,3 +504,307 @@ def test_full_model_training_loss_falls_with_the_grn_kernels():
     assert last < 0.5 * first, (first, last, losses)
     ref_losses = train(reference=True)
     assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[:2], ref_losses[:2])
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor-core (TF32) kernels: jaxfox_grn_tc_fwd / jaxfox_grn_tc_bwd (ffi/grn.cu namespace tc).
+#
+# They run (opted in, as this whole module is) for a GRN without context at the DEFAULT matmul precision, I in
+# {16, 32, 64, 128}, Hd and O in {32, 64, 128}, when the CUDA-core kernels above do not take the shape (Hd or
+# O > 64 here). Their products are TF32 (operands rounded to a 10-bit mantissa, float32 accumulation), as are
+# XLA's float32 GEMMs at that precision, so they are held to a float64 oracle (``np_grn64_vjp``, the backward
+# written from the equations) with XLA's own error as the yardstick, measured in the same test on the same
+# inputs by the reference path (jaxfox.use_reference(), default precision):
+#     per output / gradient leaf   rel_err(kernel, oracle) <= XLA_FACTOR rel_err(XLA, oracle) + XLA_SLACK,
+# and the same per row for y and d a (max over the rows), so that one wrong row among 2048 also shows.
+# One regime suffices (tests/test_gpu_iqn.py needs two): the GRN has no ReLU. ELU is continuous with a
+# continuous derivative (ELU'(0-) = exp(0) = 1 = ELU'(0+)), sigmoid and LayerNorm are smooth, so a TF32
+# rounding that moves a pre-activation across 0 changes a gradient by O(TF32 eps), not by a full-size term.
+# XLA_SLACK covers the products XLA may compute in exact float32 while the kernels use TF32 (at R = 1 the weight
+# gradients are outer products, contraction length 1, which XLA turns into multiplies; a matrix-vector product
+# may not reach the tensor cores either): there XLA's error is ~1e-7 and the bound is the slack alone. Calibration:
+# a float64 model of the kernels' rounding (activations cvt.rna, weights round-to-nearest-even, float32 storage
+# between the products) on these very inputs (TC_SCALE = 0.1) gave at most 9e-4 per leaf and 1.2e-3 per row
+# (d a, 2048 rows), on every case; XLA modelled as truncating TF32 gave ~2x the kernel's error; the slack 3e-3 is
+# 3x the model's worst leaf, so the test passes even where XLA's error is ~0. (With the perturbation 0.3 of the
+# older tests the width-128 gates saturate and the model's R = 1 error reached 1.8e-2 on d w5: hence TC_SCALE.)
+# A wrong row, tile, fragment or missing term gives errors of 1e-1 and more. Comparisons between two kernel runs
+# (repeats, rows, vmap, command buffers) are bitwise or 1e-6.
+TC_FWD, TC_BWD = "jaxfox_grn_tc_fwd", "jaxfox_grn_tc_bwd"
+TC_TARGETS = (TC_FWD, TC_BWD)
+XLA_FACTOR, XLA_SLACK = 3.0, 3e-3
+TC_SCALE = 0.1  # parameter perturbation: with 0.3 the width-128 pre-activations reach ~25 and most gates saturate
+
+TC_CASES = {  # name: (R, I, H, O); every one has Hd or O > 64 (the CUDA-core kernels take Hd, O <= 64)
+    "r2048_i128_h128_o128": (2048, 128, 128, 128),  # the issue's bench shape: identity skip, 32 full 64-row tiles
+    "r100_i16_h128_o128": (100, 16, 128, 128),      # Dense skip (I != O); ragged last tile (36 of 64 rows)
+    "r1_i128_h128_o128": (1, 128, 128, 128),        # one row
+    "r130_i64_h128_o64": (130, 64, 128, 64),        # Hd > O, identity skip; last tile of 2 rows
+    "r70_i128_h32_o128": (70, 128, 32, 128),        # O > 64 with Hd = 32 (the narrowest hidden), identity skip
+    "r130_i32_h64_o128": (130, 32, 64, 128),        # Dense skip with Hd = 64 < O
+}
+TC_MAIN = "r2048_i128_h128_o128"
+
+
+def np_grn64_vjp(p, a, r, eps=1e-5):
+    """(y [R, O], {leaf: d leaf}, d a [R, I]) of the loss sum(GRN(a) * r) in float64, a [R, I], r [R, O], no context:
+    the forward of ``np_grn64`` and its backward written out from the same equations (chain rule by hand; shares no
+    code with jaxfox, nor with the kernels' Python):
+      h2 = a W2 + b2, e2 = ELU(h2), e1 = e2 W1 + b1, g4 = e1 W4 + b4, g5 = e1 W5 + b5, s = sigmoid(g5),
+      z = skip(a) + g4 s, zhat = (z - mean z) / sqrt(var z + eps), y = zhat gamma + beta;
+      d gamma = sum_r r zhat, d beta = sum_r r, gy = r gamma,
+      dz = (gy - mean(gy) - zhat mean(gy zhat)) / sqrt(var z + eps),
+      dg4 = dz s, dg5 = dz g4 s (1 - s), de1 = dg4 W4^T + dg5 W5^T, dh2 = (de1 W1^T) ELU'(h2),
+      d a = dh2 W2^T + (dz Ws^T with a Dense skip, else dz); dW = (layer input)^T (its d output), db = sum_r d output."""
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+    h2 = a @ p["w2"] + p["b2"]
+    e2 = np.where(h2 > 0, h2, np.expm1(np.minimum(h2, 0.0)))
+    e1 = e2 @ p["w1"] + p["b1"]
+    g4 = e1 @ p["w4"] + p["b4"]
+    s = 0.5 * (1.0 + np.tanh(0.5 * (e1 @ p["w5"] + p["b5"])))
+    dense = "skip_w" in p
+    z = (a @ p["skip_w"] + p["skip_b"] if dense else a) + g4 * s
+    dev = z - z.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt((dev ** 2).mean(axis=-1, keepdims=True) + eps)
+    zhat = dev * rstd
+    y = zhat * p["gamma"] + p["beta"]
+    gy = r * p["gamma"]
+    dz = rstd * (gy - gy.mean(axis=-1, keepdims=True) - zhat * (gy * zhat).mean(axis=-1, keepdims=True))
+    dg4, dg5 = dz * s, dz * g4 * s * (1.0 - s)
+    de1 = dg4 @ p["w4"].T + dg5 @ p["w5"].T
+    dh2 = (de1 @ p["w1"].T) * np.where(h2 > 0, 1.0, np.exp(np.minimum(h2, 0.0)))
+    da = dh2 @ p["w2"].T + (dz @ p["skip_w"].T if dense else dz)
+    d = {"w4": e1.T @ dg4, "b4": dg4.sum(0), "w5": e1.T @ dg5, "b5": dg5.sum(0),
+         "w1": e2.T @ de1, "b1": de1.sum(0), "w2": a.T @ dh2, "b2": dh2.sum(0),
+         "gamma": (r * zhat).sum(0), "beta": r.sum(0)}
+    if dense:
+        d["skip_w"], d["skip_b"] = a.T @ dz, dz.sum(0)
+    return y, d, da
+
+
+def _tc_case(name, seed):
+    """(params, a [R, I], r [R, O]) of TC_CASES[name], float32."""
+    R, I, H, O = TC_CASES[name]
+    p = _perturb(grn_init(jax.random.key(seed), I, H, O), seed, scale=TC_SCALE)
+    a, r, _ = _inputs((R,), I, O, seed=seed)
+    return p, a, r
+
+
+_TC_COMPILED = {}
+
+
+def _tc_check_text(text, reference):
+    """Kernel path: both tensor-core targets and neither CUDA-core one; reference: no grn target at all."""
+    if reference:
+        found = [t for t in TC_TARGETS + GRN_TARGETS if t in text]
+        assert not found, f"FFI calls {found} in the reference path"
+    else:
+        missing = [t for t in TC_TARGETS if t not in text]
+        assert not missing, f"the tensor-core path did not compile to {missing}"
+        found = [t for t in GRN_TARGETS if t in text]
+        assert not found, f"CUDA-core FFI calls {found} where the tensor-core kernels were expected"
+
+
+def _run_tc(step, *args, reference=False):
+    """``step`` compiled at the DEFAULT matmul precision (no precision context: the tensor-core path exists only
+    there), once per (step, path, argument shapes); the kernel path must call both tensor-core targets
+    (:func:`_tc_check_text`), the reference (traced inside jaxfox.use_reference()) none. Fetched to host."""
+    key = (step, reference) + _signature(args)
+    if key not in _TC_COMPILED:
+        with jaxfox.use_reference() if reference else contextlib.nullcontext():
+            compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()
+        _tc_check_text(compiled.as_text(), reference)
+        _TC_COMPILED[key] = compiled
+    return jax.tree.map(_host, jax.device_get(_TC_COMPILED[key](*args)))
+
+
+def _named_oracle(y, d, da):
+    return {"y": y, "d a": da, **{f"d params.{k}": d[k] for k in sorted(d)}}
+
+
+def _row_errs(a, b):
+    """Per row ||a_r - b_r|| / ||b_r|| of [R, N] arrays (float64)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def _assert_as_accurate_as_xla(got, ref, want, what):
+    """Per leaf (and per row of y and d a): err(kernel) <= XLA_FACTOR err(XLA) + XLA_SLACK against the float64
+    ``want`` ({name: array} of ``_named_oracle``). Returns the two error dicts."""
+    g, x = _named_grn(got), _named_grn(ref)
+    assert g.keys() == x.keys() == want.keys(), (sorted(g), sorted(x), sorted(want))
+    for k in g:
+        assert np.shape(g[k]) == np.shape(want[k]), (k, np.shape(g[k]), np.shape(want[k]))
+        assert np.isfinite(g[k]).all(), f"{what}: {k} not finite"
+    ek = {k: rel_err(g[k], want[k]) for k in want}
+    ex = {k: rel_err(x[k], want[k]) for k in want}
+    both = {k: f"kernel {ek[k]:.2e} / XLA {ex[k]:.2e}" for k in want}
+    bad = {k: both[k] for k in want if not ek[k] <= XLA_FACTOR * ex[k] + XLA_SLACK}
+    assert not bad, (f"{what}: kernel error > {XLA_FACTOR} x XLA's + {XLA_SLACK} (vs float64 oracle): {bad} "
+                     f"(all: {both})")
+    for k in ("y", "d a"):
+        rk, rx = _row_errs(g[k], want[k]), _row_errs(x[k], want[k])
+        assert rk.max() <= XLA_FACTOR * rx.max() + XLA_SLACK, \
+            f"{what}: {k} row {int(rk.argmax())}: kernel {rk.max():.2e} vs XLA's worst row {rx.max():.2e}"
+    return ek, ex
+
+
+def test_tc_cases_route_to_the_tensor_core_kernels():
+    """Every TC case is outside the CUDA-core kernels (so that the tensor-core ones are the kernel path) and inside
+    the tensor-core contract: I in {16, 32, 64, 128}, Hd and O in {32, 64, 128}."""
+    for name, (R, I, H, O) in TC_CASES.items():
+        assert not _kernel_fits(I, 0, H, O), name
+        assert I in (16, 32, 64, 128) and H in (32, 64, 128) and O in (32, 64, 128), name
+
+
+@pytest.mark.parametrize("name", sorted(TC_CASES))
+def test_tc_matches_oracle_within_xla_tf32_error(name):
+    """Value and every gradient (each parameter leaf and d a) of sum(y * r): the tensor-core path within
+    XLA_FACTOR x XLA's own TF32 error + XLA_SLACK of the float64 oracle (section comment above)."""
+    p, a, r = _tc_case(name, seed=len(name))
+    step = _grn_step()
+    got = _run_tc(step, p, a, r)
+    ref = _run_tc(step, p, a, r, reference=True)
+    R, I, H, O = TC_CASES[name]
+    assert got[0].shape == (R, O) and got[0].dtype == np.float32 and got[1][1].shape == (R, I)
+    assert set(got[1][0]) == set(p)
+    want = _named_oracle(*np_grn64_vjp(p, a, r))
+    assert rel_err(want["y"], np_grn64(p, a)) <= 1e-12  # the two float64 forwards agree
+    _assert_as_accurate_as_xla(got, ref, want, name)
+    for k, leaf in got[1][0].items():  # not vacuous: every parameter gradient is non-zero
+        assert np.any(leaf != 0), k
+
+
+def test_tc_hlo_uses_the_tensor_core_kernels():
+    """The jitted program's HLO text (``jax.jit(f).lower(...).as_text()``) names jaxfox_grn_tc_fwd at every TC
+    shape; a forward alone calls the forward kernel only (save = 0) and gives the y of the forward + backward
+    program; the "highest" matmul precision, or "grn" not opted in, leaves the tensor-core kernels out."""
+    for name in sorted(TC_CASES):
+        p, a, r = _tc_case(name, seed=1)
+        text = jax.jit(lambda p, a, r: _grn_step()(p, a, r)).lower(p, a, r).as_text()
+        assert TC_FWD in text and TC_BWD in text, name
+        assert FWD not in text and BWD not in text, name
+    p, a, r = _tc_case(TC_MAIN, seed=2)
+    fwd = jax.jit(lambda p, a: jaxfox.grn(p, a))
+    text = fwd.lower(p, a).as_text()
+    assert TC_FWD in text and TC_BWD not in text
+    y = np.asarray(fwd(p, a))
+    assert rel_err(y, _run_tc(_grn_step(), p, a, r)[0]) <= 1e-6
+    with jax.default_matmul_precision("highest"):
+        text = jax.jit(lambda p, a, r: _grn_step()(p, a, r)).lower(p, a, r).as_text()
+    assert "jaxfox_grn_tc" not in text, "tensor-core (TF32) kernels at the highest matmul precision"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXFOX_OPT_IN_KERNELS", "")
+        text = jax.jit(lambda p, a, r: _grn_step()(p, a, r)).lower(p, a, r).as_text()
+    assert "jaxfox_grn_tc" not in text, "tensor-core kernels without the grn opt-in"
+
+
+def test_tc_gradients_bitwise_repeatable():
+    """Five runs of the width-128 program (2048 rows) give the same bits, y and every gradient; a second,
+    separately compiled program of the same computation too."""
+    p, a, r = _tc_case(TC_MAIN, seed=7)
+    args = jax.device_put((p, a, r))
+    step = _grn_step()
+    first = _run_tc(step, *args)
+    for run in range(4):
+        assert _leaves_equal(_run_tc(step, *args), first), f"run {run + 2} differs"
+    again = jax.jit(lambda *x: step(*x)).lower(*args).compile()
+    _tc_check_text(again.as_text(), False)
+    assert _leaves_equal(jax.tree.map(_host, jax.device_get(again(*args))), first), "second compilation differs"
+    for k, leaf in first[1][0].items():
+        assert np.isfinite(leaf).all() and np.any(leaf != 0), k
+
+
+@pytest.mark.parametrize("name", ["r130_i64_h128_o64", "r100_i16_h128_o128"])
+def test_tc_rows_independent(name):
+    """Rows kept in place keep their y and d a bits when every other row of a and r changes (a row's forward and
+    its input gradient depend on that row only, whichever tile it shares); the changed rows and the parameter
+    gradients do change (the comparison is not vacuous)."""
+    p, a, r = _tc_case(name, seed=5)
+    R = a.shape[0]
+    keep = np.zeros(R, bool)
+    keep[[0, 1, 31, 63, 64, R - 2, R - 1]] = True
+    rng = np.random.default_rng(55)
+    a2 = jnp.where(keep[:, None], a, jnp.asarray(rng.standard_normal(a.shape), jnp.float32))
+    r2 = jnp.where(keep[:, None], r, jnp.asarray(rng.standard_normal(r.shape), jnp.float32))
+    step = _grn_step()
+    y, (dp, da) = _run_tc(step, p, a, r)
+    y2, (dp2, da2) = _run_tc(step, p, a2, r2)
+    assert np.array_equal(y2[keep], y[keep]), "a kept row's y changed with the other rows"
+    assert np.array_equal(da2[keep], da[keep]), "a kept row's d a changed with the other rows"
+    assert not np.any(np.all(y2[~keep] == y[~keep], axis=-1)) and not np.array_equal(da2[~keep], da[~keep])
+    assert not _leaves_equal(dp2, dp)
+
+
+def test_tc_vmap_matches_loop():
+    """jax.vmap over a leading instance axis of params, a and r (broadcast_all: one call of each tensor-core
+    kernel over V = 3 instances, checked in the HLO) matches, instance by instance, the unbatched program (1e-6;
+    the kernels compute each instance as alone), and the float64 oracle within the TF32 bound of XLA's vmapped
+    reference."""
+    V, name = 3, "r130_i64_h128_o64"
+    ps, ins = [], []
+    for v in range(V):
+        p, a, r = _tc_case(name, seed=9 + v)
+        ps.append(p)
+        ins.append((a, r))
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *ps)
+    a = jnp.stack([x[0] for x in ins])
+    r = jnp.stack([x[1] for x in ins])
+    step = _grn_step()
+    fn = jax.vmap(lambda p, a, r: step(p, a, r))
+    text = jax.jit(fn).lower(stacked, a, r).as_text()
+    assert TC_FWD in text and TC_BWD in text
+    got = _run_tc(fn, stacked, a, r)
+    ref = _run_tc(fn, stacked, a, r, reference=True)
+    for v in range(V):
+        mine = jax.tree.map(lambda x: x[v], got)
+        one = _run_tc(step, ps[v], a[v], r[v])
+        named_mine, named_one = _named_grn(mine), _named_grn(one)
+        errs = {k: rel_err(named_mine[k], named_one[k]) for k in named_one}
+        assert all(e <= 1e-6 for e in errs.values()), (v, errs)
+        want = _named_oracle(*np_grn64_vjp(ps[v], a[v], r[v]))
+        _assert_as_accurate_as_xla(mine, jax.tree.map(lambda x: x[v], ref), want, f"vmap instance {v}")
+
+
+_TC_CMDBUF_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfox
+    assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
+    out = {}
+    for (R, I, H, O) in ((2048, 128, 128, 128), (100, 16, 128, 128)):   # default matmul precision: TF32 kernels
+        rng = np.random.default_rng(I + H + O)
+        p = jaxfox.grn_init(jax.random.key(0), I, H, O)
+        p = jax.tree.map(lambda v: v + jnp.asarray(0.1 * rng.standard_normal(v.shape), jnp.float32), p)
+        a = jnp.asarray(rng.standard_normal((R, I)), jnp.float32)
+        r = jnp.asarray(rng.standard_normal((R, O)), jnp.float32)
+
+        def loss(p, a, r):
+            return jnp.sum(jaxfox.grn(p, a) * r)
+
+        @jax.jit
+        def run(p, a, r):  # several dependent calls: a graph worth capturing
+            def body(c, _):
+                l, (gp, ga) = jax.value_and_grad(loss, argnums=(0, 1))(p, a + 1e-3 * c, r)
+                return c + ga, (l, gp)
+            return jax.lax.scan(body, jnp.zeros_like(a), None, length=3)
+
+        text = run.lower(p, a, r).as_text()
+        assert "jaxfox_grn_tc_fwd" in text and "jaxfox_grn_tc_bwd" in text, "not the tensor-core kernels"
+        tag = f"{R}_{I}_{H}_{O}"
+        for it in range(3):  # command buffers are recorded / updated over the first executions
+            c, (l, gp) = jax.device_get(run(p, a, r))
+            out[f"{tag}_c_run{it}"] = c
+            out[f"{tag}_loss_run{it}"] = l
+            for k, v in gp.items():
+                out[f"{tag}_g_{k}_run{it}"] = v
+    np.savez(sys.argv[1], **out)
+    print("DONE", len(out))
+""")
+
+
+def test_tc_command_buffers_on_off_identical(tmp_path):
+    """The tensor-core program (its children inherit this module's grn opt-in) gives the same bits with XLA command
+    buffers off and on."""
+    assert_command_buffers_identical(_TC_CMDBUF_SCRIPT, tmp_path)

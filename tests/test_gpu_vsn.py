@@ -8,6 +8,10 @@ program is first checked to call both FFI targets (and every reference one to ca
 compares the reference with itself by accident. The CPU tests (test_vsn.py) tie the reference to a float64
 NumPy oracle; the forward here is also compared with that oracle (``np_vsn``). Errors are
 ``conftest.rel_err`` (||a - b|| / ||b||) per output and per gradient leaf.
+
+The last section (``test_tensor_core_variables_*``) tests the wide per-variable GRNs (d = 16, Hd = O = 128) on
+ffi/grn.cu's tensor-core (TF32) kernels, opted in per test (``grn_opted_in``) at the default matmul precision: there
+the yardstick is the float64 oracle, each leaf within 3x the XLA reference's own TF32 error plus a small slack.
 """
 
 from __future__ import annotations
@@ -542,3 +546,159 @@ def test_full_model_training_loss_falls():
     ref_losses, _ = train(reference=True)
     assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[:2], ref_losses[:2])
     assert abs(losses[1] - ref_losses[1]) <= 1e-3 * abs(ref_losses[1]), (losses[:2], ref_losses[:2])
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor-core (TF32) kernels for the per-variable GRNs: the issue's bench widths d = 16, Hd = O = 128, which the
+# CUDA-core kernels above do not take (d, Hd, O <= 32), run ffi/grn.cu's jaxfox_grn_tc_fwd / jaxfox_grn_tc_bwd, one
+# call each over the m variables (a jax.vmap of the single-GRN path), when JAXFOX_OPT_IN_KERNELS names "grn" (the
+# ``grn_opted_in`` fixture: these tests only) and at the DEFAULT matmul precision only. The selection GRN (input m d
+# = 768) stays XLA code. As in test_gpu_grn.py's test_tc_* (whose section comment gives the reasoning and the
+# calibration): every output and gradient leaf against a float64 oracle (``np_vsn`` for the forward, the x64 child
+# ``_F64_SCRIPT`` for the gradients) within XLA_FACTOR x the XLA reference's own error on the same inputs (default
+# precision: TF32) + XLA_SLACK, also per row of out and d xs; no kinks (ELU has a continuous derivative), so one
+# regime; parameters perturbed by 0.1 (not 0.3) so that the width-128 gates do not saturate.
+TC_FWD, TC_BWD = "jaxfox_grn_tc_fwd", "jaxfox_grn_tc_bwd"
+XLA_FACTOR, XLA_SLACK = 3.0, 3e-3
+TC_CASES = {  # name: (lead, m, d, Hd, O)
+    "r2048_m48_d16_h128_o128": ((2048,), 48, 16, 128, 128),  # the issue's bench shape: 32 full 64-row tiles
+    "r100_m48_d16_h128_o128": ((100,), 48, 16, 128, 128),    # ragged last tile (36 of 64 rows)
+}
+
+
+@pytest.fixture
+def grn_opted_in(monkeypatch):
+    """JAXFOX_OPT_IN_KERNELS=grn for one test (the tensor-core kernels are opt-in; the rest of this module runs
+    without the grn opt-in, as the main job does by default)."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn")
+
+
+def _tc_check_text(text, reference):
+    """Kernel path: both tensor-core targets, no CUDA-core vsn or grn one (the per-variable widths are too wide for
+    ffi/vsn.cu, the selection input m d = 768 for ffi/grn.cu); reference: none of them."""
+    cuda_core = (FWD, BWD, "jaxfox_grn_fwd", "jaxfox_grn_bwd")
+    if reference:
+        found = [t for t in (TC_FWD, TC_BWD) + cuda_core if t in text]
+        assert not found, f"FFI calls {found} in the reference path"
+    else:
+        missing = [t for t in (TC_FWD, TC_BWD) if t not in text]
+        assert not missing, f"the per-variable GRNs did not compile to the tensor-core calls {missing}"
+        found = [t for t in cuda_core if t in text]
+        assert not found, f"CUDA-core FFI calls {found} where the tensor-core kernels were expected"
+
+
+def _compile_tc(step, *args, reference=False):
+    """A fresh jit of ``step`` compiled at the DEFAULT matmul precision (no precision context) and checked by
+    :func:`_tc_check_text`; the reference traced inside jaxfox.use_reference()."""
+    with jaxfox.use_reference() if reference else contextlib.nullcontext():
+        compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()
+    _tc_check_text(compiled.as_text(), reference)
+    return compiled
+
+
+def _run_tc(step, *args, reference=False):
+    return jax.tree.map(_host, jax.device_get(_compile_tc(step, *args, reference=reference)(*args)))
+
+
+def _tc_case(name, seed):
+    lead, m, d, H, O = TC_CASES[name]
+    p = _params(m, d, H, O, seed=seed, scale=0.1)
+    xs, _ = _inputs(lead, m, d, seed=seed)
+    cot = _cotangents(lead, m, O, seed=seed)
+    return p, xs, cot, _make_step(*cot)
+
+
+def _rows(a):
+    a = np.asarray(a, np.float64)
+    return a.reshape(a.shape[0], -1)
+
+
+@pytest.mark.parametrize("name", sorted(TC_CASES))
+def test_tensor_core_variables_match_oracle_within_xla_tf32_error(name, tmp_path, grn_opted_in):
+    """out, weights and every gradient leaf (d xs, d selection.*, d variables.*) of sum(out r1) + sum(weights r2):
+    the tensor-core path within XLA_FACTOR x the XLA reference's error + XLA_SLACK of the float64 oracle, per
+    leaf and per row of out and d xs."""
+    from test_vsn import np_vsn
+
+    lead, m, d, H, O = TC_CASES[name]
+    p, xs, cot, step = _tc_case(name, seed=len(name))
+    got = _run_tc(step, p, xs)
+    ref = _run_tc(step, p, xs, reference=True)
+    assert got[0][0].shape == lead + (O,) and got[0][1].shape == lead + (m,) and got[1][1].shape == lead + (m, d)
+    want_out, want_w = np_vsn(p, xs, None, 1e-5)
+    want = {"out": want_out, "weights": want_w, **_f64_grads(tmp_path, p, xs, None, cot, 1e-5)}
+    g, x = _named(got), _named(ref)
+    assert g.keys() == x.keys() == want.keys(), (sorted(g), sorted(want))
+    for k in g:
+        assert np.shape(g[k]) == np.shape(want[k]) and np.isfinite(g[k]).all(), k
+    ek = {k: rel_err(g[k], want[k]) for k in want}
+    ex = {k: rel_err(x[k], want[k]) for k in want}
+    both = {k: f"kernel {ek[k]:.2e} / XLA {ex[k]:.2e}" for k in want}
+    bad = {k: both[k] for k in want if not ek[k] <= XLA_FACTOR * ex[k] + XLA_SLACK}
+    assert not bad, f"kernel error > {XLA_FACTOR} x XLA's + {XLA_SLACK} (vs float64): {bad} (all: {both})"
+    for k in ("out", "d xs"):
+        w = _rows(want[k])
+        rk = np.linalg.norm(_rows(g[k]) - w, axis=-1) / np.linalg.norm(w, axis=-1)
+        rx = np.linalg.norm(_rows(x[k]) - w, axis=-1) / np.linalg.norm(w, axis=-1)
+        assert rk.max() <= XLA_FACTOR * rx.max() + XLA_SLACK, \
+            f"{k} row {int(rk.argmax())}: kernel {rk.max():.2e} vs XLA's worst row {rx.max():.2e}"
+    for k, leaf in got[1][0]["variables"].items():  # not vacuous
+        assert np.any(leaf != 0), k
+
+
+def test_tensor_core_variables_bitwise_repeatable(grn_opted_in):
+    """Five runs of the bench-shape program (2048 rows, the tensor-core per-variable GRNs and XLA's selection GRN)
+    give the same bits, outputs and every gradient; so does a second compilation of the same computation, and the
+    per-variable GRNs alone (jaxfox.vsn._grn_combined and its vjp)."""
+    p, xs, _, step = _tc_case("r2048_m48_d16_h128_o128", seed=7)
+    args = jax.device_put((p, jnp.asarray(xs)))
+    compiled = _compile_tc(step, *args)
+    first = jax.device_get(compiled(*args))
+    for run in range(4):
+        assert _leaves_equal(jax.device_get(compiled(*args)), first), f"run {run + 2} differs"
+    assert _leaves_equal(jax.device_get(_compile_tc(step, *args)(*args)), first), "second compilation differs"
+    for leaf in jax.tree.leaves(first[1][0]["variables"]):
+        assert np.isfinite(leaf).all() and np.any(leaf != 0)
+    # the tensor-core kernels alone (no XLA GEMM in the program)
+    R, m, O = xs.shape[0], xs.shape[1], p["variables"]["w4"].shape[-1]
+    rng = np.random.default_rng(17)
+    vsel, dout = _sel_weights(rng, (R, m)), jnp.asarray(rng.standard_normal((R, O)), jnp.float32)
+    vargs = jax.device_put((p["variables"], jnp.asarray(xs), vsel, dout))
+    alone = jax.jit(_stacked_fwd_bwd).lower(*vargs).compile()
+    text = alone.as_text()
+    assert TC_FWD in text and TC_BWD in text
+    first = jax.device_get(alone(*vargs))
+    for run in range(4):
+        assert _leaves_equal(jax.device_get(alone(*vargs)), first), f"variables alone: run {run + 2} differs"
+
+
+def _lower(step, *args):
+    """The HLO text of a fresh jit of ``step`` (a new function object: JAX's trace cache keys on the function and
+    not on JAXFOX_OPT_IN_KERNELS, so a jit of the same function traced before would be reused)."""
+    return jax.jit(lambda *a: step(*a)).lower(*args).as_text()
+
+
+def test_tensor_core_variables_hlo(grn_opted_in, monkeypatch):
+    """The jitted program's HLO text (``jax.jit(f).lower(...).as_text()``) calls jaxfox_grn_tc_fwd and _bwd over
+    the m variables at once (x operand [m, R, d], dy [m, R, O]: vmapped, not a loop of m calls); at the "highest"
+    matmul precision, or without the grn opt-in, no tensor-core kernel; the main job's widths (d = 4, Hd = O = 32)
+    keep ffi/vsn.cu's kernels."""
+    lead, m, d, H, O = TC_CASES["r100_m48_d16_h128_o128"]
+    p, xs, _, step = _tc_case("r100_m48_d16_h128_o128", seed=3)
+    text = _lower(step, p, xs)
+    calls = re.findall(r"custom_call @(jaxfox_grn_tc_\w+)\((.*)", text)
+    assert {t for t, _ in calls} == {TC_FWD, TC_BWD}, [t for t, _ in calls]
+    for t, rest in calls:  # (the value and the gradient's forward may be two calls) x [m, R, d] / dy [m, R, O]
+        want = f"tensor<{m}x{lead[0]}x{d if t == TC_FWD else O}xf32>"
+        assert want in rest, (t, want, rest[-400:])
+    assert FWD not in text and BWD not in text
+    with jax.default_matmul_precision("highest"):
+        assert "jaxfox_grn_tc" not in _lower(step, p, xs)
+    lead2, m2, d2, H2, O2 = (37,), 3, 4, 32, 32
+    p2 = _params(m2, d2, H2, O2, seed=4)
+    xs2, _ = _inputs(lead2, m2, d2, seed=4)
+    step2 = _make_step(*_cotangents(lead2, m2, O2, seed=4))
+    text = _lower(step2, p2, xs2)
+    assert FWD in text and BWD in text and "jaxfox_grn_tc" not in text
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
+    assert "jaxfox_grn_tc" not in _lower(step, p, xs)

@@ -241,10 +241,11 @@ def grn_case(size: str) -> list[Variant]:
     """jaxfox.grn forward+backward (value_and_grad of sum(y * w) w.r.t. params and a), no context.
 
     The issue's bench shape: a [R, I] float32 with I = Hd = O = 128 (16 small), so the skip is the identity;
-    rows R = B x T = 2048 and 16384 by default (64 small). There both paths run the XLA reference (the kernels of
-    ffi/grn.cu take Hd, O <= 64: a fused kernel at these widths was slower than XLA's TF32 matmuls on the
-    H200), so the ffi column shows 0 and the speed-up is ~1 (on a GPU the harness also warns that the jaxfox
-    path compiled without an FFI call). Then the perception model's two GRNs, which fit the kernels: the VSN's
+    rows R = B x T = 2048 and 16384 by default (64 small). At width 128 the jaxfox path (``grn`` opted in while it
+    is traced) runs ffi/grn.cu's tensor-core (TF32) kernels, jaxfox_grn_tc_fwd / _bwd (default matmul precision;
+    the CUDA-core kernels take Hd, O <= 64), labelled "tensor-core kernels (opt-in)"; the reference is XLA's TF32
+    matmuls. (At width 16, small, the CUDA-core kernels run.) Then the perception model's two GRNs, which fit the
+    CUDA-core kernels: the VSN's
     selection GRN (I = m d = 192, Hd = 32, O = m = 48; without the VSN's softmax here) at the same row counts,
     and the head GRN (I = 2 H = 64, Hd = O = 32) on B = 32 rows. The kernels are opt-in (slower than XLA so
     far): the jaxfox path of these rows opts in to ``grn`` while it is traced. FLOPs are the matmuls only: forward
@@ -253,7 +254,8 @@ def grn_case(size: str) -> list[Variant]:
     import jaxfox
 
     W = 16 if size == "small" else 128
-    shapes = [(B * T, W, W, W, "I=H=O=" + str(W)) for B, T in _ROW_SHAPES[size]]
+    wide = f"I=H=O={W}" + (", tensor-core kernels (opt-in)" if W == 128 else "")
+    shapes = [(B * T, W, W, W, wide) for B, T in _ROW_SHAPES[size]]
     shapes += [(B * T, 192, 32, 48, "I=192 H=32 O=48 (VSN selection)") for B, T in _ROW_SHAPES[size]]
     shapes.append((32, 64, 32, 32, "I=64 H=O=32 (head)"))
     out = []
@@ -286,30 +288,42 @@ def vsn_case(size: str) -> list[Variant]:
     output O, Dense skip); forward+backward counted as 3x.
     The per-variable GRNs run the fused kernels of ffi/vsn.cu when d, Hd, O <= 32 (the main job's width,
     and the small shapes): there the ffi column counts their forward and backward calls. The bench shape
-    (Hd = O = 128) runs the XLA reference on both paths, so its ffi column shows 0 and the speed-up is ~1
-    (on a GPU the harness also warns that the jaxfox path compiled without an FFI call).
+    (Hd = O = 128) has two rows per row count: the default jaxfox path, which runs the XLA reference there (its
+    ffi column shows 0 and the speed-up is ~1; on a GPU the harness also warns that the jaxfox path compiled
+    without an FFI call), and "tensor-core kernels (opt-in)", whose jaxfox path is traced with ``grn`` opted in:
+    the m per-variable GRNs then run ffi/grn.cu's TF32 tensor-core kernels (one call pair over the m variables,
+    default matmul precision; the selection GRN, input m d = 768, stays XLA). Small: that row at m = 4, d = 16,
+    Hd = O = 128.
     """
     import jaxfox
 
     if size == "small":
-        widths = [(4, 4, 16, 16), (48, 4, 32, 32)]
+        widths = [(4, 4, 16, 16, None), (48, 4, 32, 32, None), (4, 16, 128, 128, True)]
     else:
-        widths = [(48, 16, 128, 128), (48, 4, 32, 32)]
+        widths = [(48, 16, 128, 128, False), (48, 16, 128, 128, True), (48, 4, 32, 32, None)]
     out = []
-    for m, d, H, O in widths:
+    for m, d, H, O, tc in widths:
         for B, T in _ROW_SHAPES[size]:
             R = B * T
 
-            def setup(R=R, m=m, d=d, H=H, O=O):
+            def setup(R=R, m=m, d=d, H=H, O=O, tc=tc):
                 params = jaxfox.vsn_init(jax.random.key(73), m, d, H, O)
                 xs, w = _normal(74, (R, m, d)), _normal(75, (O,))
 
-                builder = _weighted_sum_grad(lambda p, x: jaxfox.vsn(p, x)[0], w)
+                def apply(p, x):
+                    # tc: grn opted in (True), out (False: the default path even when the environment opts in), or
+                    # the environment as it is (None); no effect on the reference path (use_reference() wins)
+                    with contextlib.nullcontext() if tc is None else _opted_in("grn", tc):
+                        return jaxfox.vsn(p, x)[0]
+
+                builder = _weighted_sum_grad(apply, w)
                 fwd = _grn_matmul_flops(R, m * d, H, m) + m * _grn_matmul_flops(R, d, H, O)
                 return CaseSpec(builder, None, (params, xs), None, 3.0 * fwd)
 
-            out.append(Variant("vsn", f"fwd+bwd R={R} m={m} d={d} H={H} O={O}", setup,
-                               params={"R": R, "B": B, "T": T, "m": m, "d": d, "H": H, "O": O}))
+            label = (f"fwd+bwd R={R} m={m} d={d} H=O={H}, tensor-core kernels (opt-in)" if tc
+                     else f"fwd+bwd R={R} m={m} d={d} H={H} O={O}")
+            out.append(Variant("vsn", label, setup,
+                               params={"R": R, "B": B, "T": T, "m": m, "d": d, "H": H, "O": O, "tc": bool(tc)}))
     return out
 
 
