@@ -37,9 +37,10 @@ and VSN kernels"). For them there are TF32 tensor-core kernels (``jaxfox_grn_tc_
 straight through as for XLA's TF32 dot): no context, I in {16, 32, 64, 128}, Hd and O in {32, 64, 128}, shapes the
 CUDA-core kernels do not take, and only at the default matmul precision (not "highest"); the backward kernel
 returns the activation gradients and the weight and bias gradients are one grouped split-K GEMM
-(:mod:`jaxfox.gemm`), so they are deterministic too. Also opt-in (``grn``); not yet measured on a GPU. GRNs with
-a context always run the reference. By default, off CUDA, or under
-:func:`jaxfox.use_reference`, the reference runs and its gradients are JAX autodiff.
+(:mod:`jaxfox.gemm`), so they are deterministic too. Also opt-in (``grn``): on an H100 they match XLA's TF32
+accuracy but are slower (fwd+bwd 0.64x XLA at 2048 rows, 0.54x at 16384, BENCHMARKS.md "thirty-third session").
+GRNs with a context always run the reference. By default, off CUDA, or under :func:`jaxfox.use_reference`, the
+reference runs and its gradients are JAX autodiff.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference b
 TF32 tensor-core matmuls beat the CUDA-core kernels (a fused VSN kernel measured 0.35x at 2048 rows,
 BENCHMARKS.md "2026-11-29"). With ``JAXFOX_OPT_IN_KERNELS=grn``, at the default matmul precision, per-variable
 GRNs of the widths d in {16, 32, 64, 128}, Hd and O in {32, 64, 128} (the bench shape among them) run
-:mod:`jaxfox.grn`'s TF32 tensor-core kernels vmapped over the m variables (:func:`_combine_tc`; not yet measured
-on a GPU). Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its gradients are JAX autodiff.
+:mod:`jaxfox.grn`'s TF32 tensor-core kernels vmapped over the m variables (:func:`_combine_tc`; slower than XLA so
+far: 0.60x at m = 48, d = 16, Hd = O = 128, 2048 rows, on an H100, BENCHMARKS.md "thirty-third session").
+Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its gradients are JAX autodiff.
 """
 
 from __future__ import annotations
