@@ -440,16 +440,20 @@ def test_zero_rows():
 
 # ----------------------------------------------------------------------------------------------
 # Command buffers.
-_CMDBUF_SCRIPT = textwrap.dedent("""
+def _cmdbuf_script(cases, scale, targets):
+    """The child script of a command-buffer test: for each (lead, I, H, O) of ``cases``, three scanned
+    value_and_grad steps of sum(grn(p, a) r) (params of grn_init plus scale N(0, 1) noise), after asserting that the
+    jitted program calls every FFI target of ``targets``; saves the carries, losses and gradients of three runs."""
+    return textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
     import jaxfox
     assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
     out = {}
-    for (lead, I, H, O) in (((2048,), 192, 32, 48), ((32,), 64, 32, 32)):
+    for (lead, I, H, O) in __CASES__:
         rng = np.random.default_rng(I + H + O)
         p = jaxfox.grn_init(jax.random.key(0), I, H, O)
-        p = jax.tree.map(lambda v: v + jnp.asarray(0.3 * rng.standard_normal(v.shape), jnp.float32), p)
+        p = jax.tree.map(lambda v: v + jnp.asarray(__SCALE__ * rng.standard_normal(v.shape), jnp.float32), p)
         a = jnp.asarray(rng.standard_normal(lead + (I,)), jnp.float32)
         r = jnp.asarray(rng.standard_normal(lead + (O,)), jnp.float32)
 
@@ -464,7 +468,7 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
             return jax.lax.scan(body, jnp.zeros_like(a), None, length=3)
 
         text = run.lower(p, a, r).as_text()
-        assert "jaxfox_grn_fwd" in text and "jaxfox_grn_bwd" in text
+        assert all(t in text for t in __TARGETS__), ("the program does not call", __TARGETS__)
         tag = "x".join(map(str, lead)) + f"_{I}_{H}_{O}"
         for it in range(3):  # command buffers are recorded / updated over the first executions
             c, (l, gp) = jax.device_get(run(p, a, r))
@@ -474,7 +478,12 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
                 out[f"{tag}_g_{k}_run{it}"] = v
     np.savez(sys.argv[1], **out)
     print("DONE", len(out))
-""")
+    """).replace("__CASES__", repr(tuple(cases))).replace("__SCALE__", repr(scale)).replace(
+        "__TARGETS__", repr(tuple(targets)))
+
+
+_CMDBUF_SCRIPT = _cmdbuf_script((((2048,), 192, 32, 48), ((32,), 64, 32, 32)), 0.3,
+                                ("jaxfox_grn_fwd", "jaxfox_grn_bwd"))
 
 
 def test_command_buffers_on_off_identical(tmp_path):
@@ -767,41 +776,9 @@ def test_tc_vmap_matches_loop():
         _assert_as_accurate_as_xla(mine, jax.tree.map(lambda x: x[v], ref), want, f"vmap instance {v}")
 
 
-_TC_CMDBUF_SCRIPT = textwrap.dedent("""
-    import sys
-    import jax, jax.numpy as jnp, numpy as np
-    import jaxfox
-    assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
-    out = {}
-    for (R, I, H, O) in ((2048, 128, 128, 128), (100, 16, 128, 128)):   # default matmul precision: TF32 kernels
-        rng = np.random.default_rng(I + H + O)
-        p = jaxfox.grn_init(jax.random.key(0), I, H, O)
-        p = jax.tree.map(lambda v: v + jnp.asarray(0.1 * rng.standard_normal(v.shape), jnp.float32), p)
-        a = jnp.asarray(rng.standard_normal((R, I)), jnp.float32)
-        r = jnp.asarray(rng.standard_normal((R, O)), jnp.float32)
-
-        def loss(p, a, r):
-            return jnp.sum(jaxfox.grn(p, a) * r)
-
-        @jax.jit
-        def run(p, a, r):  # several dependent calls: a graph worth capturing
-            def body(c, _):
-                l, (gp, ga) = jax.value_and_grad(loss, argnums=(0, 1))(p, a + 1e-3 * c, r)
-                return c + ga, (l, gp)
-            return jax.lax.scan(body, jnp.zeros_like(a), None, length=3)
-
-        text = run.lower(p, a, r).as_text()
-        assert "jaxfox_grn_tc_fwd" in text and "jaxfox_grn_tc_bwd" in text, "not the tensor-core kernels"
-        tag = f"{R}_{I}_{H}_{O}"
-        for it in range(3):  # command buffers are recorded / updated over the first executions
-            c, (l, gp) = jax.device_get(run(p, a, r))
-            out[f"{tag}_c_run{it}"] = c
-            out[f"{tag}_loss_run{it}"] = l
-            for k, v in gp.items():
-                out[f"{tag}_g_{k}_run{it}"] = v
-    np.savez(sys.argv[1], **out)
-    print("DONE", len(out))
-""")
+# default matmul precision: the TF32 kernels
+_TC_CMDBUF_SCRIPT = _cmdbuf_script((((2048,), 128, 128, 128), ((100,), 16, 128, 128)), 0.1,
+                                   ("jaxfox_grn_tc_fwd", "jaxfox_grn_tc_bwd"))
 
 
 def test_tc_command_buffers_on_off_identical(tmp_path):
