@@ -101,25 +101,6 @@ __device__ __forceinline__ void WarpMma(Frags<FR, FC>& acc, const float* A, int 
   }
 }
 
-// Stores the row fragments r0 + i < row_frags of acc to dst (row-major, row stride ld; shared or global).
-template <int FR, int FC>
-__device__ __forceinline__ void StoreRows(float* dst, int ld, const Frags<FR, FC>& acc, int r0, int c0,
-                                          int row_frags, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < FR; ++i) {
-    if (r0 + i < row_frags) {
-      const int row = 16 * (r0 + i) + g;
-#pragma unroll
-      for (int j = 0; j < 2 * FC; ++j) {
-        const int col = 16 * c0 + 8 * j + 2 * t;
-        *reinterpret_cast<float2*>(dst + row * ld + col) = make_float2(acc.c[i][j][0], acc.c[i][j][1]);
-        *reinterpret_cast<float2*>(dst + (row + 8) * ld + col) = make_float2(acc.c[i][j][2], acc.c[i][j][3]);
-      }
-    }
-  }
-}
-
 // Calls f(row, col, v0, v1) for every pair of adjacent accumulator values (v0 at column col, even; v1 at col + 1)
 // of the row fragments r0 + i < row_frags (row and column in the output).
 template <int FR, int FC, typename F>
@@ -138,6 +119,15 @@ __device__ __forceinline__ void ForEachAccPair(const Frags<FR, FC>& acc, int r0,
       }
     }
   }
+}
+
+// Stores the row fragments r0 + i < row_frags of acc to dst (row-major, row stride ld; shared or global).
+template <int FR, int FC>
+__device__ __forceinline__ void StoreRows(float* dst, int ld, const Frags<FR, FC>& acc, int r0, int c0,
+                                          int row_frags, int lane) {
+  ForEachAccPair(acc, r0, c0, row_frags, lane, [&](int row, int col, float v0, float v1) {
+    *reinterpret_cast<float2*>(dst + row * ld + col) = make_float2(v0, v1);
+  });
 }
 
 }  // namespace jaxfox
