@@ -55,7 +55,7 @@ import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import check_array as _check_array, positive_float32, positive_int as _positive_int
-from jaxfox.gemm import _precision_is_highest, _wgrad_call
+from jaxfox.gemm import _precision_is_highest, _type_witness, _wgrad_call
 from jaxfox.reduce import _reduce_kernel, backward_tiling, reduce_chunks
 
 __all__ = ["grn_init", "grn", "layer_norm"]
@@ -431,7 +431,7 @@ def _grn_tc_fwd(cfg, p, x):
     ops = _tc_operands(p)
     y, e2, e1, g, zhat, rstd = _grn_tc_call(cfg, ops, x, save=True)
     w2, _, w1, _, w45, _, ws, _, gamma, _ = ops
-    p_like = jax.tree.map(lambda a: a.reshape(-1)[:0], p)   # zero-size: only the types, for psum_to_match
+    p_like = jax.tree.map(_type_witness, p)   # zero-size: only the types, for psum_to_match
     return y, (p_like, x, (w2, w1, w45, ws, gamma), e2, e1, g, zhat, rstd)
 
 
