@@ -36,6 +36,7 @@
 // depend on the other rows.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common.h"
@@ -741,28 +742,31 @@ ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
 // Hd, O in {32, 64, 128} and I in {16, 32, 64, 128} (the issue's bench shape I = Hd = O = 128 and the VSN's
 // per-variable GRNs d = 16, Hd = O = 128), without context. Every product runs in TF32 on mma.sync m16n8k8
 // (ffi/tensor_core.h, float32 accumulate): the precision class of XLA's default float32 matmul on the GPU, so
-// jaxfox/grn.py uses them only at the default matmul precision. One CTA of 8 warps a (64-row tile, vmap
+// jaxfox/grn.py uses them only at the default matmul precision. One CTA of 8 warps a (32-row tile, vmap
 // instance); each tile's chain of products stays in shared memory (A operands, rounded to TF32 when written;
 // row stride K + 4, = 4 mod 8: conflict-free fragment loads); the weights are TF32 values already (rounded by
-// jaxfox/grn.py) read as B fragments through the L1. The forward writes y and, when a backward follows, the
+// jaxfox/grn.py), copied into shared memory in chunks of K (cp.async) for the B fragments. Two CTAs an
+// SM (<= 128 registers, <= ~101 KB of shared memory each). The forward writes y and, when a backward follows, the
 // residuals e2, e1, g = [g4 | g5], zhat, rstd; the backward writes dx and the row-wise gradients dg, de1, da2,
 // dz from which jaxfox/grn.py forms the weight and bias gradients with the deterministic grouped wgrad GEMM
 // (ffi/grouped_gemm.cu), plus each tile's [sum dy zhat | sum dy] (rows in increasing order) that reduce_axis0
 // sums into dgamma | dbeta. No atomics; a row's outputs do not depend on the other rows.
 namespace tc {
 
-constexpr int kRows = 64;  // rows of a tile (jaxfox/grn.py _TC_ROWS)
+constexpr int kRows = 32;  // rows of a tile (jaxfox/grn.py _TC_ROWS)
+constexpr int kChunk = 16;  // rows of K a staged weight chunk holds (two chunks in flight: Product::Run)
 constexpr int kThreads = 256;
 constexpr int kFrags = kRows / 16;
 static_assert(kThreads / 32 == kMmaWarps, "the warp tilings assume 8 warps");
 
-__host__ __device__ constexpr int Ld(int k) { return k + 4; }  // row stride of a [64, k] tile, = 4 (mod 8)
+__host__ __device__ constexpr int Ld(int k) { return k + 4; }  // row stride of a [32, k] tile, = 4 (mod 8)
 
-// Warp tiling of a [64, 16 CB] product: CB >= 4: 2 x 4 warps of 2 x CB / 4 fragments; CB = 2: 4 x 2 warps of one
-// fragment; CB = 1: warps 0..3 own one fragment each and warps 4..7 none (Row0 >= kFrags).
+// Warp tiling of a [32, 16 CB] product: CB >= 8: the 8 warps side by side, each 2 x CB / 8 fragments; CB = 4:
+// 2 x 4 warps of one fragment; CB = 2 (1): warps 0..3 (0..1) own one fragment each and the others none
+// (Row0 >= kFrags).
 template <int CB>
 struct TileT {
-  static constexpr int kWcw = CB >= 4 ? 4 : CB;
+  static constexpr int kWcw = CB >= kMmaWarps ? kMmaWarps : CB;
   static constexpr int kWrw = kMmaWarps / kWcw;
   static constexpr int kFR = kWrw >= kFrags ? 1 : kFrags / kWrw;
   static constexpr int kFC = CB / kWcw;
@@ -771,16 +775,62 @@ struct TileT {
   __device__ static int Col0(int warp) { return (warp % kWcw) * kFC; }
 };
 
-// acc = A [64, K] (shared, row stride lda) times B [K, N] where B(k, n) = W[k * ldw + n] (kBRow) or
-// W[n * ldw + k] (a weight read transposed), W global (TF32 values).
+// Row stride of a staged row-major chunk [kChunk][N]: = 8 (mod 32), conflict-free B loads. A transposed chunk
+// [N][kChunk] has row stride kChunk + 4 = 20 (its B loads are conflict-free too).
+__host__ __device__ constexpr int LdRow(int n) { return n + 8; }
+
+// acc += A [32, K] (shared, row stride lda) times B [K, N] where B(k, n) = W[k * ldw + n] (kBRow, ldw = N) or
+// W[n * ldw + k] (a weight read transposed, ldw = K), W global (TF32 values). The weight goes through the shared
+// buffers wb in chunks of K rows (cp.async, see Run; it has barriers, so every thread of the block must call it):
+// the B fragments then are conflict-free shared loads (read straight from global memory through the L1 they left
+// the products latency-bound: 40 us for the forward at 2048 rows, H100).
 template <int N, bool kBRow>
 struct Product {
   using T = TileT<N / 16>;
   Frags<T::kFR, T::kFC> acc;
   int r0, c0;
-  __device__ __forceinline__ Product(int warp) : r0(T::Row0(warp)), c0(T::Col0(warp)) { acc.Zero(); }
-  __device__ __forceinline__ void Run(const float* A, int lda, const float* W, int ldw, int K, int lane) {
-    WarpMma<T::kFR, T::kFC, true, kBRow, true>(acc, A, lda, W, ldw, r0, c0, K / 8, kFrags, lane);
+  __device__ __forceinline__ Product(int warp) : r0(T::Row0(warp)), c0(T::Col0(warp)) {
+    acc.Zero();
+  }
+  // Stages rows k0 .. k0 + kc of B into b (row stride LdRow(N), or transposed with row stride ldc).
+  __device__ __forceinline__ void Stage(float* b, const float* __restrict__ W, int ldw, int k0, int kc, int ldc) {
+    if (kBRow) {
+      constexpr int n4 = N / 4;
+      for (int i = threadIdx.x; i < kc * n4; i += kThreads) {
+        const int kk = i / n4, c = 4 * (i - kk * n4);
+        CpAsync16(b + kk * LdRow(N) + c, W + static_cast<int64_t>(k0 + kk) * ldw + c, true);
+      }
+    } else {
+      const int k4 = kc / 4;
+      for (int i = threadIdx.x; i < N * k4; i += kThreads) {
+        const int n = i / k4, c = 4 * (i - n * k4);
+        CpAsync16(b + n * ldc + c, W + static_cast<int64_t>(n) * ldw + k0 + c, true);
+      }
+    }
+    CpAsyncCommit();
+  }
+  // Streams W through two shared buffers of 16 rows of K each: the copy of the next chunk is in flight while this
+  // chunk's MMAs run (one chunk of 32 rows at a time: forward 24.4 vs 22.2 us at 2048 rows, H100; four buffers of
+  // 8 rows with one barrier a chunk: 36.8 vs 27.9 us for two of 16 that way, H200).
+  __device__ __forceinline__ void Run(const float* A, int lda, const float* __restrict__ W, int ldw, int K,
+                                      float* wb, int lane) {
+    constexpr int kc = kChunk, ldc = kc + 4;  // K is a multiple of 16
+    const int half = kBRow ? kc * LdRow(N) : N * ldc;
+    const int nch = K / kc;
+    __syncthreads();  // the buffers' previous product is read
+    Stage(wb, W, ldw, 0, kc, ldc);
+    for (int ch = 0; ch < nch; ++ch) {
+      if (ch + 1 < nch) {
+        Stage(wb + ((ch + 1) & 1) * half, W, ldw, (ch + 1) * kc, kc, ldc);
+        CpAsyncWaitGroup<1>();
+      } else {
+        CpAsyncWaitGroup<0>();
+      }
+      __syncthreads();  // chunk ch visible to every thread
+      WarpMma<T::kFR, T::kFC, true, kBRow>(acc, A + ch * kc, lda, wb + (ch & 1) * half, kBRow ? LdRow(N) : ldc,
+                                           r0, c0, kc / 8, kFrags, lane);
+      __syncthreads();  // chunk ch's buffer is read before chunk ch + 2 is copied into it
+    }
   }
   template <typename F>
   __device__ __forceinline__ void Each(int lane, F&& f) const {
@@ -790,7 +840,7 @@ struct Product {
 
 __device__ __forceinline__ float Elu(float v) { return v > 0.f ? v : expm1f(v); }
 
-// Global row pointers of a 64-row tile: rows >= R are neither read (zeros instead) nor written.
+// Global row pointers of a 32-row tile: rows >= R are neither read (zeros instead) nor written.
 struct Rows {
   int64_t row0, R;
   __device__ __forceinline__ bool Ok(int r) const { return row0 + r < R; }
@@ -800,7 +850,7 @@ __device__ __forceinline__ void Store2(float* p, float v0, float v1) {
   *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
 }
 
-// Loads a [64, K] float32 tile (rows >= R as zeros) into shared memory as TF32, row stride Ld(K) (K % 4 == 0).
+// Loads a [32, K] float32 tile (rows >= R as zeros) into shared memory as TF32, row stride Ld(K) (K % 4 == 0).
 __device__ __forceinline__ void LoadTileTf32(float* dst, const float* __restrict__ src, int K, const Rows& rows) {
   const int k4 = K / 4;
   for (int i = threadIdx.x; i < kRows * k4; i += kThreads) {
@@ -819,16 +869,17 @@ struct FwdArgs {
   float eps;
 };
 
-// Forward of one (64-row tile, instance): shared memory xs [64][Ld(I)] (TF32 x), hs [64][Ld(max(H, O))] (e2,
-// then e1, then z), gs [64][Ld(2 O)] (g = [g4 | g5], float32).
+// Forward of one (32-row tile, instance): shared memory xs [32][Ld(I)] (TF32 x), hs [32][Ld(max(H, O))] (e2,
+// then e1, then z), gs [32][Ld(2 O)] (g = [g4 | g5], float32).
 template <int H, int O>
-__global__ void __launch_bounds__(kThreads, 1) grn_tc_fwd_kernel(const __grid_constant__ FwdArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) grn_tc_fwd_kernel(const __grid_constant__ FwdArgs a) {
   constexpr int HO = H > O ? H : O;
   extern __shared__ __align__(16) float sm[];
   const int I = a.I;
   float* xs = sm;
   float* hs = xs + kRows * Ld(I);
   float* gs = hs + kRows * Ld(HO);
+  float* wb = gs + kRows * Ld(2 * O);  // two weight chunks: 2 kChunk x LdRow(max(H, 2 O)) floats
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t v = blockIdx.y;
   const Rows rows{static_cast<int64_t>(blockIdx.x) * kRows, a.R};
@@ -852,7 +903,7 @@ __global__ void __launch_bounds__(kThreads, 1) grn_tc_fwd_kernel(const __grid_co
 
   {  // e2 = ELU(x W2 + b2)
     Product<H, true> p(warp);
-    p.Run(xs, Ld(I), w2, H, I, lane);
+    p.Run(xs, Ld(I), w2, H, I, wb, lane);
     p.Each(lane, [&](int r, int c, float v0, float v1) {
       v0 = Elu(v0 + __ldg(b2 + c));
       v1 = Elu(v1 + __ldg(b2 + c + 1));
@@ -863,7 +914,7 @@ __global__ void __launch_bounds__(kThreads, 1) grn_tc_fwd_kernel(const __grid_co
   __syncthreads();
   {  // e1 = e2 W1 + b1 (in place: every warp has read e2 before any writes e1)
     Product<H, true> p(warp);
-    p.Run(hs, Ld(HO), w1, H, H, lane);
+    p.Run(hs, Ld(HO), w1, H, H, wb, lane);
     __syncthreads();
     p.Each(lane, [&](int r, int c, float v0, float v1) {
       v0 += __ldg(b1 + c);
@@ -875,7 +926,7 @@ __global__ void __launch_bounds__(kThreads, 1) grn_tc_fwd_kernel(const __grid_co
   __syncthreads();
   {  // g = e1 W45 + b45
     Product<2 * O, true> p(warp);
-    p.Run(hs, Ld(HO), w45, 2 * O, H, lane);
+    p.Run(hs, Ld(HO), w45, 2 * O, H, wb, lane);
     p.Each(lane, [&](int r, int c, float v0, float v1) {
       v0 += __ldg(b45 + c);
       v1 += __ldg(b45 + c + 1);
@@ -886,7 +937,7 @@ __global__ void __launch_bounds__(kThreads, 1) grn_tc_fwd_kernel(const __grid_co
   __syncthreads();  // gs complete; e1 read by every warp: hs takes z
   if (skip) {  // z = x Ws + bs + g4 sigmoid(g5)
     Product<O, true> p(warp);
-    p.Run(xs, Ld(I), ws, O, I, lane);
+    p.Run(xs, Ld(I), ws, O, I, wb, lane);
     p.Each(lane, [&](int r, int c, float v0, float v1) {
       const float* gr = gs + r * Ld(2 * O);
       v0 += __ldg(bs + c) + gr[c] * Sigmoid(gr[O + c]);
@@ -954,11 +1005,12 @@ struct BwdArgs {
 // dx = da2 W2^T + (dz Ws^T or dz) of a tile, N = I columns.
 template <int I, int H, int O>
 __device__ __forceinline__ void DxProduct(const BwdArgs& a, const float* hs, const float* dzs, const float* w2,
-                                          const float* ws, const Rows& rows, int64_t base, int warp, int lane) {
+                                          const float* ws, float* wb, const Rows& rows, int64_t base, int warp,
+                                          int lane) {
   constexpr int HO = H > O ? H : O;
   Product<I, false> p(warp);
-  p.Run(hs, Ld(HO), w2, H, H, lane);
-  if (I != O) p.Run(dzs, Ld(O), ws, O, O, lane);
+  p.Run(hs, Ld(HO), w2, H, H, wb, lane);
+  if (I != O) p.Run(dzs, Ld(O), ws, O, O, wb, lane);
   p.Each(lane, [&](int r, int c, float v0, float v1) {
     if (I == O) {
       v0 += dzs[r * Ld(O) + c];
@@ -968,16 +1020,17 @@ __device__ __forceinline__ void DxProduct(const BwdArgs& a, const float* hs, con
   });
 }
 
-// Backward of one (64-row tile, instance): shared memory dgs [64][Ld(2 O)] (TF32 dg), hs [64][Ld(max(H, O))]
-// (TF32 de1, then da2), dzs [64][Ld(O)] (dz: TF32 when it is the dense skip's A operand, else float32).
+// Backward of one (32-row tile, instance): shared memory dgs [32][Ld(2 O)] (TF32 dg), hs [32][Ld(max(H, O))]
+// (TF32 de1, then da2), dzs [32][Ld(O)] (dz: TF32 when it is the dense skip's A operand, else float32).
 template <int H, int O>
-__global__ void __launch_bounds__(kThreads, 1) grn_tc_bwd_kernel(const __grid_constant__ BwdArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) grn_tc_bwd_kernel(const __grid_constant__ BwdArgs a) {
   constexpr int HO = H > O ? H : O;
   extern __shared__ __align__(16) float sm[];
   const int I = a.I;
   float* dgs = sm;
   float* hs = dgs + kRows * Ld(2 * O);
   float* dzs = hs + kRows * Ld(HO);
+  float* wb = dzs + kRows * Ld(O);  // two transposed weight chunks: max(H, I) x 2 (kChunk + 4) floats
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t v = blockIdx.y;
   const Rows rows{static_cast<int64_t>(blockIdx.x) * kRows, a.R};
@@ -1040,7 +1093,7 @@ __global__ void __launch_bounds__(kThreads, 1) grn_tc_bwd_kernel(const __grid_co
   __syncthreads();
   {  // de1 = dg W45^T
     Product<H, false> p(warp);
-    p.Run(dgs, Ld(2 * O), w45, 2 * O, 2 * O, lane);
+    p.Run(dgs, Ld(2 * O), w45, 2 * O, 2 * O, wb, lane);
     p.Each(lane, [&](int r, int c, float v0, float v1) {
       Store2(hs + r * Ld(HO) + c, Tf32(v0), Tf32(v1));
       if (rows.Ok(r)) Store2(a.de1 + (base + r) * H + c, v0, v1);
@@ -1049,7 +1102,7 @@ __global__ void __launch_bounds__(kThreads, 1) grn_tc_bwd_kernel(const __grid_co
   __syncthreads();
   {  // da2 = (de1 W1^T) ELU'(a2), ELU'(a2) = 1 where e2 > 0, else e2 + 1 (in place after every warp read de1)
     Product<H, false> p(warp);
-    p.Run(hs, Ld(HO), w1, H, H, lane);
+    p.Run(hs, Ld(HO), w1, H, H, wb, lane);
     __syncthreads();
     p.Each(lane, [&](int r, int c, float v0, float v1) {
       float2 e = make_float2(0.f, 0.f);
@@ -1062,17 +1115,21 @@ __global__ void __launch_bounds__(kThreads, 1) grn_tc_bwd_kernel(const __grid_co
   }
   __syncthreads();
   switch (I) {
-    case 16: DxProduct<16, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
-    case 32: DxProduct<32, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
-    case 64: DxProduct<64, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
-    default: DxProduct<128, H, O>(a, hs, dzs, w2, ws, rows, base, warp, lane); break;
+    case 16: DxProduct<16, H, O>(a, hs, dzs, w2, ws, wb, rows, base, warp, lane); break;
+    case 32: DxProduct<32, H, O>(a, hs, dzs, w2, ws, wb, rows, base, warp, lane); break;
+    case 64: DxProduct<64, H, O>(a, hs, dzs, w2, ws, wb, rows, base, warp, lane); break;
+    default: DxProduct<128, H, O>(a, hs, dzs, w2, ws, wb, rows, base, warp, lane); break;
   }
 }
 
+// Dynamic shared memory (bytes; jaxfox/grn.py _tc_smem_bytes mirrors them): the activation tiles and the
+// weight-chunk buffer.
 constexpr int64_t FwdSmem(int I, int H, int O) {
-  return 4LL * kRows * (Ld(I) + Ld(H > O ? H : O) + Ld(2 * O));
+  return 4LL * (kRows * (Ld(I) + Ld(H > O ? H : O) + Ld(2 * O)) + 2 * kChunk * LdRow(H > 2 * O ? H : 2 * O));
 }
-constexpr int64_t BwdSmem(int H, int O) { return 4LL * kRows * (Ld(2 * O) + Ld(H > O ? H : O) + Ld(O)); }
+constexpr int64_t BwdSmem(int I, int H, int O) {
+  return 4LL * (kRows * (Ld(2 * O) + Ld(H > O ? H : O) + Ld(O)) + (H > I ? H : I) * 2 * (kChunk + 4));
+}
 
 bool WidthOk(int64_t n, bool input) {
   return (input && n == 16) || n == 32 || n == 64 || n == 128;
@@ -1165,7 +1222,7 @@ ffi::Error GrnTcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 // FFI target jaxfox_grn_tc_bwd: dy [.., R, O], e2 [.., R, H], g [.., R, 2 O], zhat [.., R, O], rstd [.., R],
 // gamma [.., O], w45 [.., H, 2 O], w1 [.., H, H], w2 [.., I, H], ws [.., I, O] or [.., 0, O] -> dx [.., R, I],
-// dg [.., R, 2 O], de1, da2 [.., R, H], dz [.., R, O], gb [.., ceil(R / 64), 2 O].
+// dg [.., R, 2 O], de1, da2 [.., R, H], dz [.., R, O], gb [.., ceil(R / 32), 2 O].
 ffi::Error GrnTcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> e2,
                         ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> zhat, ffi::Buffer<ffi::F32> rstd,
                         ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> w45, ffi::Buffer<ffi::F32> w1,
@@ -1207,7 +1264,7 @@ ffi::Error GrnTcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dy, ffi::Buff
             gamma.typed_data(), w45.typed_data(), w1.typed_data(), w2.typed_data(),
             skip ? ws.typed_data() : nullptr, dx->typed_data(), dg->typed_data(), de1->typed_data(),
             da2->typed_data(), dz->typed_data(), gb->typed_data(), R, tiles, static_cast<int>(I)};
-  const int64_t bytes = BwdSmem(static_cast<int>(H), static_cast<int>(O));
+  const int64_t bytes = BwdSmem(static_cast<int>(I), static_cast<int>(H), static_cast<int>(O));
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(V));
   return ByWidths(static_cast<int>(H), static_cast<int>(O), [&](auto h, auto o) -> ffi::Error {
     auto kernel = grn_tc_bwd_kernel<decltype(h)::value, decltype(o)::value>;
@@ -1300,5 +1357,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_grn_tc_bwd, jaxfox::tc::GrnTcBwdImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // de1 [R, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // da2 [R, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dz [R, O]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // gb [ceil(R / 64), 2 O]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // gb [ceil(R / 32), 2 O]
                               {xla::ffi::Traits::kCmdBufferCompatible});

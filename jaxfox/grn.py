@@ -33,12 +33,13 @@ when ``JAXFOX_OPT_IN_KERNELS`` names ``grn`` (or ``all``) at trace time, on CUDA
 issue's bench shape I = Hd = O = 128, ran the pure-JAX reference (there XLA's TF32 tensor-core matmuls beat
 CUDA-core kernels: a fused kernel measured 0.68x at 2048 rows, BENCHMARKS.md "2026-11-29 — attention_pool, GRN
 and VSN kernels"). For them there are TF32 tensor-core kernels (``jaxfox_grn_tc_fwd`` / ``jaxfox_grn_tc_bwd``,
-``mma.sync`` m16n8k8, float32 accumulate, 64-row tiles; weights rounded to TF32 in Python, their gradients passed
+``mma.sync`` m16n8k8, float32 accumulate, 32-row tiles, weights staged in shared memory; weights rounded to TF32 in Python, their gradients passed
 straight through as for XLA's TF32 dot): no context, I in {16, 32, 64, 128}, Hd and O in {32, 64, 128}, shapes the
 CUDA-core kernels do not take, and only at the default matmul precision (not "highest"); the backward kernel
-returns the activation gradients and the weight and bias gradients are one grouped split-K GEMM
-(:mod:`jaxfox.gemm`), so they are deterministic too. Also opt-in (``grn``): on an H100 they match XLA's TF32
-accuracy but are slower (fwd+bwd 0.64x XLA at 2048 rows, 0.54x at 16384, BENCHMARKS.md "thirty-third session").
+returns the activation gradients and the weight and bias gradients are XLA's GEMMs and column sums (TF32 at the
+default precision, as the reference's), so they are deterministic too. Also opt-in (``grn``): on an H100 they match XLA's TF32
+accuracy but are slower (fwd+bwd 0.93x XLA at 2048 rows, 0.82x at 16384 on an H100; 0.82x / 0.71x on the H200;
+BENCHMARKS.md "thirty-fourth session").
 GRNs with a context always run the reference. By default, off CUDA, or under :func:`jaxfox.use_reference`, the
 reference runs and its gradients are JAX autodiff.
 """
@@ -55,7 +56,7 @@ import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import check_array as _check_array, positive_float32, positive_int as _positive_int
-from jaxfox.gemm import _precision_is_highest, _type_witness, _wgrad_call
+from jaxfox.gemm import _precision_is_highest, _type_witness
 from jaxfox.reduce import _reduce_kernel, backward_tiling, reduce_chunks
 
 __all__ = ["grn_init", "grn", "layer_norm"]
@@ -358,9 +359,10 @@ _grn_kernel.defvjp(_grn_kernel_fwd, _grn_kernel_bwd)
 # ----------------------------------------------------------------------------------------------
 # Tensor-core (TF32) kernel path (ffi/grn.cu namespace ``tc``): context-free GRNs of the widths below at
 # default matmul precision. Operands: x and the parameters as separate buffers, the weights rounded to TF32 here
-# (w45 = [w4 | w5]); the backward kernel returns the activation gradients, and the parameter gradients are one
-# grouped split-K GEMM (jaxfox.gemm, deterministic) plus a reduce_axis0 of the per-tile LayerNorm partials.
-_TC_ROWS = 64                 # ffi/grn.cu tc: rows a tile (one CTA of 256 threads a tile and vmap instance)
+# (w45 = [w4 | w5]); the backward kernel returns the activation gradients, and the parameter gradients are XLA's
+# GEMMs and column sums plus a reduce_axis0 of the per-tile LayerNorm partials.
+_TC_ROWS = 32                 # ffi/grn.cu tc kRows: rows a tile (one CTA of 256 threads a tile and vmap instance)
+_TC_KC = 32                   # ffi/grn.cu tc 2 kChunk: rows of K the two staged chunks of a weight hold
 _TC_INPUTS = (16, 32, 64, 128)
 _TC_WIDTHS = (32, 64, 128)    # Hd and O
 _TC_MAX_SMEM = 227 * 1024     # sm_90's opt-in dynamic shared memory per block
@@ -373,14 +375,15 @@ def _tc_fits(I, C, H, O):
 
 
 def _tc_smem_bytes(I, H, O):
-    """(forward, backward) dynamic shared memory of the TF32 kernels, bytes (64-row tiles of the activations)."""
+    """(forward, backward) dynamic shared memory of the TF32 kernels, bytes (ffi/grn.cu tc FwdSmem / BwdSmem):
+    the 32-row activation tiles and the buffers of the staged weight chunks."""
     wide = max(H, O) + 4
-    return (4 * _TC_ROWS * ((I + 4) + wide + (2 * O + 4)),
-            4 * _TC_ROWS * ((2 * O + 4) + wide + (O + 4)))
+    return (4 * (_TC_ROWS * ((I + 4) + wide + (2 * O + 4)) + _TC_KC * (max(H, 2 * O) + 8)),
+            4 * (_TC_ROWS * ((2 * O + 4) + wide + (O + 4)) + max(H, I) * 40))
 
 
 def _tc_smem_fits(I, H, O):
-    """Both kernels' shared memory <= 227 KB (sm_90; at most 131 KB for the shapes of :func:`_tc_fits`)."""
+    """Both kernels' shared memory <= 227 KB (sm_90; at most ~101 KB for the shapes of :func:`_tc_fits`)."""
     return max(_tc_smem_bytes(I, H, O)) <= _TC_MAX_SMEM
 
 
@@ -437,8 +440,8 @@ def _grn_tc_fwd(cfg, p, x):
 
 def _grn_tc_bwd(cfg, res, dy):
     """Activation gradients from jaxfox_grn_tc_bwd; dW = act^T d(pre-activation) and the bias gradients (column
-    sums) from one grouped wgrad call (TF32, split-K in a fixed order); [dgamma | dbeta] = the per-tile partials
-    summed by reduce_axis0. The gradient of a TF32-rounded weight is passed to the unrounded one (as XLA's TF32
+    sums) from XLA (its TF32 dot at the default precision, as the reference's); [dgamma | dbeta] = the per-tile
+    partials summed by reduce_axis0. The gradient of a TF32-rounded weight is passed to the unrounded one (as XLA's TF32
     dot: straight-through)."""
     p_like, x, (w2, w1, w45, ws, gamma), e2, e1, g, zhat, rstd = res
     R, I = x.shape
@@ -449,14 +452,11 @@ def _grn_tc_bwd(cfg, res, dy):
     dx, dg, de1, da2, dz, gb = _ffi_call("jaxfox_grn_tc_bwd", out, vmap_method="broadcast_all")(
         dy.astype(jnp.float32), e2, g, zhat, rstd, gamma, w45, w1, w2, ws,
         hidden_size=np.int64(H), output_size=np.int64(O))
-    # wgrad groups (a, aoff, b, boff, c, coff, d, doff, M, N, K): C [K, N] = A^T B, D [N] = colsum(B)
-    args = [x, e2, e1, da2, de1, dg, dz]
-    groups = [(0, 3, I, H), (1, 4, H, H), (2, 5, H, 2 * O)] + ([(0, 6, I, O)] if "skip_w" in p_like else [])
-    rows, structs = [], []
-    for a, b, K, N in groups:
-        rows.append((a, 0, b, 0, len(structs), 0, len(structs) + 1, 0, R, N, K))
-        structs += [sds(K, N), sds(N)]
-    dW2, db2, dW1, db1, dW45, db45, *dskip = _wgrad_call(args, rows, structs, tf32=True)
+    # dW = act^T d(pre-activation) and db = column sums: XLA's GEMMs and reductions (deterministic for a given
+    # compilation; at 16384 rows 240 vs 293 us a step with jaxfox.gemm's grouped wgrad, H100)
+    pairs = [(x, da2), (e2, de1), (e1, dg)] + ([(x, dz)] if "skip_w" in p_like else [])
+    dW2, db2, dW1, db1, dW45, db45, *dskip = [
+        t for a, d in pairs for t in (jnp.einsum("rk,rn->kn", a, d), jnp.sum(d, axis=0))]
     gsum = _reduce_kernel(gb)                                                 # [2 O]
     dp = {"w2": dW2, "b2": db2, "w1": dW1, "b1": db1, "w4": dW45[:, :O], "w5": dW45[:, O:],
           "b4": db45[:O], "b5": db45[O:], "gamma": gsum[:O], "beta": gsum[O:]}

@@ -30,7 +30,8 @@ TF32 tensor-core matmuls beat the CUDA-core kernels (a fused VSN kernel measured
 BENCHMARKS.md "2026-11-29"). With ``JAXFOX_OPT_IN_KERNELS=grn``, at the default matmul precision, per-variable
 GRNs of the widths d in {16, 32, 64, 128}, Hd and O in {32, 64, 128} (the bench shape among them) run
 :mod:`jaxfox.grn`'s TF32 tensor-core kernels vmapped over the m variables (:func:`_combine_tc`; slower than XLA so
-far: 0.60x at m = 48, d = 16, Hd = O = 128, 2048 rows, on an H100, BENCHMARKS.md "thirty-third session").
+far: 0.97x at m = 48, d = 16, Hd = O = 128, 2048 rows, 0.90x at 16384, on an H100, BENCHMARKS.md
+"thirty-fourth session").
 Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its gradients are JAX autodiff.
 """
 
@@ -209,8 +210,8 @@ def _kernel_fits(m, d, H, O):
 
 def _combine_tc(cfg, p, x, v):
     """sum_j v[r, j] GRN_j(x[r, j]) by :mod:`jaxfox.grn`'s TF32 kernels (``jaxfox_grn_tc_fwd``/``_bwd``), vmapped
-    over the m variables (one call each way with a leading instance axis m; the weight gradients one grouped
-    wgrad call over the m instances): p stacked (leading m), x [R, m, d], v [R, m] float32 -> [R, O] float32."""
+    over the m variables (one call each way with a leading instance axis m; the weight gradients XLA's batched
+    GEMMs over the m instances): p stacked (leading m), x [R, m, d], v [R, m] float32 -> [R, O] float32."""
     y = jax.vmap(lambda q, xt: _grn_tc(cfg, q, xt))(p, jnp.moveaxis(x, 1, 0))     # [m, R, O]
     return _weighted_sum(v, jnp.moveaxis(y, 0, 1))
 

@@ -583,10 +583,10 @@ def test_output_size_one_is_the_constant_beta():
 
 # ----------------------------------------------------------------------------------------------
 # The TF32 tensor-core kernels (ffi/grn.cu namespace tc, jaxfox.grn._grn_tc): routing, their CUDA lowering, and the
-# Python wiring (operands, the grouped wgrad, reduce_axis0, the cotangent tree) run against a NumPy emulation of
-# the FFI targets.
+# Python wiring (operands, XLA's weight gradients, reduce_axis0, the cotangent tree) run against a NumPy emulation
+# of the FFI targets.
 TC_FWD, TC_BWD = "jaxfox_grn_tc_fwd", "jaxfox_grn_tc_bwd"
-WGRAD, REDUCE = "jaxfox_grouped_wgrad", "jaxfox_reduce_axis0"
+REDUCE = "jaxfox_reduce_axis0"
 
 
 def test_tc_fits_truth_table():
@@ -598,23 +598,26 @@ def test_tc_fits_truth_table():
     for shape in [(48, 0, 128, 128), (8, 0, 128, 128), (256, 0, 128, 128), (128, 0, 16, 128), (128, 0, 128, 96),
                   (128, 0, 256, 128), (128, 5, 128, 128)]:
         assert fits(*shape) is False, shape
-    # 64 rows x (row stride = width + 4 floats) per tile buffer: fwd [I | max(H, O) | 2 O], bwd [2 O | max(H, O) | O]
-    assert smem(16, 32, 64) == (4 * 64 * (20 + 68 + 132), 4 * 64 * (132 + 68 + 68))
-    assert smem(128, 128, 128) == (4 * 64 * 524, 4 * 64 * 524) and max(smem(128, 128, 128)) <= 227 * 1024
+    # 32 rows x (row stride = width + 4 floats) per tile buffer: fwd [I | max(H, O) | 2 O], bwd [2 O | max(H, O) | O];
+    # plus the two staged weight chunks of 16 rows of K: fwd 2 x 16 x (max(H, 2 O) + 8), bwd max(H, I) x 2 x 20
+    # (transposed, row stride 16 + 4)
+    assert smem(16, 32, 64) == (4 * (32 * (20 + 68 + 132) + 32 * 136), 4 * (32 * (132 + 68 + 68) + 32 * 40))
+    assert smem(128, 128, 128) == (4 * (32 * 524 + 32 * 264), 4 * (32 * 524 + 128 * 40))
+    assert max(smem(128, 128, 128)) <= 227 * 1024 // 2   # two CTAs an SM on sm_90
     assert grn_mod._tc_smem_fits(1024, 1024, 1024) is False
 
 
 @pytest.mark.parametrize("I,H,O", [(128, 128, 128), (16, 128, 128), (128, 64, 64)])
 def test_tc_path_lowers_for_cuda(kernels_on, I, H, O):
     """Shapes the CUDA-core kernels do not take (Hd or O = 128; I = 128 with Hd = O = 64) run the TF32 kernels: the
-    forward (save = 0 outside jax.grad: zero-row residuals), the backward, one grouped wgrad for the weight and bias
-    gradients (TF32) and one reduce_axis0 of the per-tile [sum dy zhat | sum dy]."""
+    forward (save = 0 outside jax.grad: zero-row residuals), the backward and one reduce_axis0 of the per-tile
+    [sum dy zhat | sum dy]; the weight and bias gradients are XLA code (no other custom call)."""
     assert not grn_mod._kernel_fits(I, 0, H, O)
-    R, T = 100, 2
+    R, T = 100, 4   # 4 row tiles of 32 (ffi/grn.cu tc kRows)
     p = random_grn_params(I, H, O, seed=I + H)
     calls = cuda_custom_calls(_value_and_grad(), p, jnp.zeros((R, I)), jnp.zeros((R, O)))
-    assert set(calls) == {TC_FWD, TC_BWD, WGRAD, REDUCE}, set(calls)
-    assert len(calls[TC_FWD]) == 2 and all(len(calls[k]) == 1 for k in (TC_BWD, WGRAD, REDUCE))
+    assert set(calls) == {TC_FWD, TC_BWD, REDUCE}, set(calls)
+    assert len(calls[TC_FWD]) == 2 and all(len(calls[k]) == 1 for k in (TC_BWD, REDUCE))
     t = lambda *s: "tensor<" + "x".join(map(str, s)) + "xf32>"  # noqa: E731
     skip = f"{t(I, O)}, {t(O)}" if I != O else f"{t(0, O)}, {t(0)}"
     ops = (f"({t(R, I)}, {t(I, H)}, {t(H)}, {t(H, H)}, {t(H)}, {t(H, 2 * O)}, {t(2 * O)}, {skip}, {t(O)}, {t(O)}) -> "
@@ -628,11 +631,6 @@ def test_tc_path_lowers_for_cuda(kernels_on, I, H, O):
     ws = t(I, O) if I != O else t(0, O)
     assert (f"({t(R, O)}, {t(R, H)}, {t(R, 2 * O)}, {t(R, O)}, {t(R)}, {t(O)}, {t(H, 2 * O)}, {t(H, H)}, {t(I, H)}, "
             f"{ws}) -> ({t(R, I)}, {t(R, 2 * O)}, {t(R, H)}, {t(R, H)}, {t(R, O)}, {t(T, 2 * O)})") in bwd, bwd[-600:]
-    wg = calls[WGRAD][0]
-    # operands x, e2, e1, da2, de1, dg, dz; results dW2, db2, dW1, db1, dW45, db45 (dWs, dbs), workspace
-    assert f"({t(R, I)}, {t(R, H)}, {t(R, H)}, {t(R, H)}, {t(R, H)}, {t(R, 2 * O)}, {t(R, O)}) -> " in wg
-    dws = f"{t(I, H)}, {t(H)}, {t(H, H)}, {t(H)}, {t(H, 2 * O)}, {t(2 * O)}, " + (f"{t(I, O)}, {t(O)}, " if I != O else "")
-    assert f"-> ({dws}tensor<" in wg and "tf32 = 1 : i64" in wg, wg[-600:]
     assert f"({t(T, 2 * O)}) -> ({t(2 * O)}, " in calls[REDUCE][0]
     with jaxfox.use_reference():
         assert cuda_custom_calls(_value_and_grad(), p, jnp.zeros((R, I)), jnp.zeros((R, O))) == {}
@@ -658,7 +656,7 @@ def test_tc_path_is_not_taken(kernels_on, monkeypatch, case):
             calls = cuda_custom_calls(f, *args)
     else:
         calls = cuda_custom_calls(f, *args)
-    assert TC_FWD not in calls and TC_BWD not in calls and WGRAD not in calls, set(calls)
+    assert TC_FWD not in calls and TC_BWD not in calls, set(calls)
     if case == "cuda_core_kernel":
         assert grn_mod._tc_fits(I, 0, H, O) and {GRN_FWD, GRN_BWD} <= set(calls)
     else:
@@ -723,32 +721,12 @@ def _np_tc_bwd(structs, dy, e2, g, zhat, rstd, gamma, w45, w1, w2, ws, *, hidden
     da2 = (de1 @ _T(w1)) * np.where(e2 > 0, 1.0, e2 + 1.0)
     dx = da2 @ _T(w2) + (dz @ _T(ws) if I != O else dz)
     R = dy.shape[-2]
-    tiles = -(-R // 64)
+    rows = 32   # ffi/grn.cu tc kRows
+    tiles = -(-R // rows)
     q = np.concatenate([dy * zhat, dy], -1)
-    q = np.pad(q, [(0, 0)] * (q.ndim - 2) + [(0, tiles * 64 - R), (0, 0)])
-    gb = q.reshape(q.shape[:-2] + (tiles, 64, 2 * O)).sum(-2)
+    q = np.pad(q, [(0, 0)] * (q.ndim - 2) + [(0, tiles * rows - R), (0, 0)])
+    gb = q.reshape(q.shape[:-2] + (tiles, rows, 2 * O)).sum(-2)
     return tuple(np.asarray(v, np.float32) for v in (dx, dg, de1, da2, dz, gb))
-
-
-def _np_grouped_wgrad(structs, *args, table, arg_ranks, ret_ranks, tf32):
-    """C [K, N] = A^T B and D [N] = colsum B per table row (a, aoff, b, boff, c, coff, d, doff, M, N, K, splits,
-    split_len); the leading dims beyond arg_ranks are the vmap instances; the last result is the workspace."""
-    assert type(tf32) is np.int64 and int(tf32) == 1
-    assert list(arg_ranks) == [len(a.shape) - (len(args[0].shape) - arg_ranks[0]) for a in args]
-    assert list(ret_ranks) == [len(s.shape) for s in structs]
-    lead = args[0].shape[:len(args[0].shape) - int(arg_ranks[0])]
-    V = int(np.prod(lead, dtype=np.int64))
-    ins = [np.asarray(a, np.float64).reshape(V, -1) for a in args]
-    outs = [np.zeros((V, math.prod(s.shape)), np.float64) for s in structs]
-    for a, ao, b, bo, c, co, d, do, M, N, K, S, L in np.asarray(table).reshape(-1, 13):
-        assert S * L >= M and c < len(structs) - 1 and d < len(structs) - 1
-        A = ins[a][:, ao:ao + M * K].reshape(V, M, K)
-        B = ins[b][:, bo:bo + M * N].reshape(V, M, N)
-        assert A.shape == (V, M, K) and B.shape == (V, M, N)
-        outs[c][:, co:co + K * N] = np.einsum("vmk,vmn->vkn", A, B).reshape(V, K * N)
-        if d >= 0:
-            outs[d][:, do:do + N] = B.sum(1)
-    return tuple(o.reshape(lead + tuple(s.shape)).astype(np.float32) for o, s in zip(outs, structs))
 
 
 def _np_reduce_axis0(structs, x, *, chunks):
@@ -756,7 +734,7 @@ def _np_reduce_axis0(structs, x, *, chunks):
     return x.sum(-2).astype(np.float32), np.zeros(x.shape[:-2] + structs[1].shape, np.float32)
 
 
-_NP_TARGETS = {TC_FWD: _np_tc_fwd, TC_BWD: _np_tc_bwd, WGRAD: _np_grouped_wgrad, REDUCE: _np_reduce_axis0}
+_NP_TARGETS = {TC_FWD: _np_tc_fwd, TC_BWD: _np_tc_bwd, REDUCE: _np_reduce_axis0}
 
 
 def _emulated_ffi_call(target, result_shape_dtypes, vmap_method=None):
@@ -773,8 +751,8 @@ def _emulated_ffi_call(target, result_shape_dtypes, vmap_method=None):
 
 @pytest.fixture
 def tc_emulated(monkeypatch):
-    """The FFI calls of jaxfox.grn, jaxfox.gemm and jaxfox.reduce served by the NumPy emulation above."""
-    for name in ("jaxfox.grn", "jaxfox.gemm", "jaxfox.reduce"):
+    """The FFI calls of jaxfox.grn and jaxfox.reduce served by the NumPy emulation above."""
+    for name in ("jaxfox.grn", "jaxfox.reduce"):
         monkeypatch.setattr(importlib.import_module(name), "_ffi_call", _emulated_ffi_call)
 
 
@@ -788,7 +766,7 @@ def test_tc_wiring_matches_autodiff_emulated(tc_emulated, I, H, O):
     """_grn_tc with its FFI targets emulated in float64 NumPy from their contracts: value and jax.grad (every
     parameter leaf and x) equal the reference's autodiff at precision "highest" evaluated at the TF32-rounded
     weights (rounded here in NumPy, independently). So the Python side rounds the weights (the emulation also
-    checks each weight operand is a TF32 value), orders the operands, builds the wgrad table, splits dW45 and
+    checks each weight operand is a TF32 value), orders the operands, forms the weight gradients, splits dW45 and
     b45, reduces the LayerNorm partials and passes the rounded weights' gradients straight through to the
     unrounded ones. The emulation does not round activations to TF32 (the kernels do): that is the GPU tests'
     business. I != O (dense skip) and I == O (identity skip); R = 100 rows: one full and one partial tile."""
