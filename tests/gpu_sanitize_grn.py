@@ -9,7 +9,7 @@ I = 64, Hd = O = 32), the identity skip (I = O = 32, Hd = 17), odd tiny widths (
 100 rows (a partial row tile), a jax.vmap over 2 instances of params and a, and jaxfox.vsn at a small shape
 (m = 3, d = 5, Hd = 17, O = 9: the selection GRN with its softmax fused, input 15, output 3, plus the vsn kernels).
 Then the tensor-core (TF32) kernels (jaxfox_grn_tc_fwd / jaxfox_grn_tc_bwd, default matmul precision, Hd or O > 64):
-tc128 (2048 rows, I = Hd = O = 128, identity skip), tc_r1 (one row of it), tc_dense (100 rows, a ragged last 64-row
+tc128 (2048 rows, I = Hd = O = 128, identity skip), tc_r1 (one row of it), tc_dense (100 rows, a ragged last 32-row
 tile, I = 16, Hd = O = 128: the Dense skip), tc_vmap (a jax.vmap over 3 instances, 65 rows each, I = 32, Hd = 128,
 O = 64) and vsn_tc (the VSN's per-variable GRNs at m = 8, d = 16, Hd = O = 128 on 100 rows through
 jaxfox.vsn._grn_combined, one tensor-core call pair over the 8 variables; the selection GRN, an XLA GEMM at this
@@ -18,7 +18,9 @@ Command-line arguments name the cases to run (default: all), so that one sanitiz
 (the tool has segfaulted part-way through long scripts, CONTEXT.md).
 
 The GPU programs are the kernel path alone: the loss is sum(y * r) (elementwise and a reduction), so no XLA
-matmul (cuBLAS / Triton GEMM) runs under the sanitizer; a program that has one anyway is reported on a NOTE line.
+matmul (cuBLAS / Triton GEMM) runs under the sanitizer, except the tensor-core cases' weight gradients (XLA GEMMs
+by design, jaxfox.grn._grn_tc_bwd; tools/gpu_visit.sh instruments only jaxfox's kernels); a program with an XLA
+matmul is reported on a NOTE line.
 The reference (jaxfox.use_reference(), XLA matmuls) runs on the host CPU device instead, outside the sanitizer's
 view. Each case checks that the compiled GPU program calls the FFI targets, that every output and gradient is
 finite and within 1e-4 (relative norm) of the CPU reference (1e-2 for the tensor-core cases, whose products are
