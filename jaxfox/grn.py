@@ -33,13 +33,13 @@ when ``JAXFOX_OPT_IN_KERNELS`` names ``grn`` (or ``all``) at trace time, on CUDA
 issue's bench shape I = Hd = O = 128, ran the pure-JAX reference (there XLA's TF32 tensor-core matmuls beat
 CUDA-core kernels: a fused kernel measured 0.68x at 2048 rows, BENCHMARKS.md "2026-11-29 — attention_pool, GRN
 and VSN kernels"). For them there are TF32 tensor-core kernels (``jaxfox_grn_tc_fwd`` / ``jaxfox_grn_tc_bwd``,
-``mma.sync`` m16n8k8, float32 accumulate, 32-row tiles, weights staged in shared memory; weights rounded to TF32 in Python, their gradients passed
-straight through as for XLA's TF32 dot): no context, I in {16, 32, 64, 128}, Hd and O in {32, 64, 128}, shapes the
-CUDA-core kernels do not take, and only at the default matmul precision (not "highest"); the backward kernel
-returns the activation gradients and the weight and bias gradients are XLA's GEMMs and column sums (TF32 at the
-default precision, as the reference's), so they are deterministic too. Also opt-in (``grn``): on an H100 they match XLA's TF32
-accuracy but are slower (fwd+bwd 0.93x XLA at 2048 rows, 0.82x at 16384 on an H100; 0.82x / 0.71x on the H200;
-BENCHMARKS.md "thirty-fourth session").
+``mma.sync`` m16n8k8, float32 accumulate, 32-row tiles, weights streamed through shared memory; weights rounded
+to TF32 in Python, their gradients passed straight through as for XLA's TF32 dot): no context, I in
+{16, 32, 64, 128}, Hd and O in {32, 64, 128}, shapes the CUDA-core kernels do not take, and only at the default
+matmul precision (not "highest"); the backward kernel returns the activation gradients, and the weight and bias
+gradients are XLA's GEMMs and column sums (TF32 at the default precision, as the reference's), so they are
+deterministic too. Also opt-in (``grn``): they match XLA's TF32 accuracy but are slower (fwd+bwd 0.93x XLA at
+2048 rows and 0.82x at 16384 on an H100; 0.82x / 0.71x on the H200; BENCHMARKS.md "thirty-fourth session").
 GRNs with a context always run the reference. By default, off CUDA, or under :func:`jaxfox.use_reference`, the
 reference runs and its gradients are JAX autodiff.
 """
@@ -424,6 +424,13 @@ def _grn_tc_call(cfg, ops, x, save):
         x, *ops, hidden_size=np.int64(H), output_size=np.int64(O), eps=np.float32(cfg.eps), save=np.int64(save))
 
 
+def _tc_params(p):
+    """The GRN's own leaves of ``p`` (keys of _FLAT_KEYS) as a plain dict, the tree :func:`_grn_tc` takes: other
+    leaves and the caller's mapping type stay outside the custom_vjp, where autodiff gives them zero gradients
+    and keeps the caller's tree, as on the reference path."""
+    return {k: p[k] for k in _FLAT_KEYS if k in p}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _grn_tc(cfg, p, x):
     """GRN(x) by the TF32 kernels: p the params of :func:`grn_init` (no ``w3``), x [R, I] float32 -> [R, O]."""
@@ -497,7 +504,7 @@ def _grn_apply(params, a, c, eps, softmax=False):
             return _grn_kernel(_KernelCfg(H, O, float(eps), bool(softmax)), _flat(p), a)
     elif not softmax and _tc_routed(I, C, H, O):
         def kernel(p, a):
-            return _grn_tc(_TcCfg(H, O, float(eps)), p, a)
+            return _grn_tc(_TcCfg(H, O, float(eps)), _tc_params(p), a)
     else:
         return reference(params, a, c)
     return dispatch(kernel, reference, params, a, batch=(False, True))

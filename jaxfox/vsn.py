@@ -47,8 +47,8 @@ import numpy as np
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import positive_float32, positive_int as _positive_int
 from jaxfox.grn import (
-    _FLAT_KEYS, _TcCfg, _check_context, _check_input, _common_dtype, _grn_apply, _grn_sizes, _grn_tc, _tc_routed,
-    grn_init, layer_norm,
+    _FLAT_KEYS, _TcCfg, _check_context, _check_input, _common_dtype, _grn_apply, _grn_sizes, _grn_tc, _tc_params,
+    _tc_routed, grn_init, layer_norm,
 )
 from jaxfox.reduce import backward_tiling, reduce_chunks
 
@@ -212,7 +212,7 @@ def _combine_tc(cfg, p, x, v):
     """sum_j v[r, j] GRN_j(x[r, j]) by :mod:`jaxfox.grn`'s TF32 kernels (``jaxfox_grn_tc_fwd``/``_bwd``), vmapped
     over the m variables (one call each way with a leading instance axis m; the weight gradients XLA's batched
     GEMMs over the m instances): p stacked (leading m), x [R, m, d], v [R, m] float32 -> [R, O] float32."""
-    y = jax.vmap(lambda q, xt: _grn_tc(cfg, q, xt))(p, jnp.moveaxis(x, 1, 0))     # [m, R, O]
+    y = jax.vmap(lambda q, xt: _grn_tc(cfg, q, xt))(_tc_params(p), jnp.moveaxis(x, 1, 0))     # [m, R, O]
     return _weighted_sum(v, jnp.moveaxis(y, 0, 1))
 
 

@@ -787,3 +787,47 @@ def test_tc_wiring_matches_autodiff_emulated(tc_emulated, I, H, O):
     assert set(g[0]) == set(p) and ("skip_w" in p) == (I != O)
     assert_tree_close(g[0], g_ref[0], 1e-5)
     assert_f32_close(g[1], g_ref[1], 1e-5)
+
+
+def _kernel_branch(monkeypatch, module):
+    """``module.dispatch`` runs the kernel branch (CPU: platform_dependent would pick the reference); returns the
+    list that records each call."""
+    calls = []
+
+    def kernel_branch(kernel, reference, *args, **kwargs):
+        calls.append(kernel)
+        return kernel(*args)
+
+    monkeypatch.setattr(module, "dispatch", kernel_branch)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["extra_leaf", "ordered_dict"])
+def test_tc_path_takes_any_params_mapping(tc_emulated, kernels_on, monkeypatch, kind):
+    """jaxfox.grn on the TF32 path (FFI targets emulated) with params that grn() validates but that are not a plain
+    dict of the GRN's leaves, as the reference and CUDA-core paths take them: an extra leaf gets a zero gradient,
+    and an OrderedDict's gradient is an OrderedDict of the same key order (the same tree); values and gradients
+    equal those of the plain dict (before the fix, the custom_vjp's backward failed on the tree structure)."""
+    import collections
+
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn")
+    calls = _kernel_branch(monkeypatch, grn_mod)
+    I, H, O, R = 16, 128, 128, 40
+    p = random_grn_params(I, H, O, seed=5)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((R, I)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((R, O)), jnp.float32)
+    if kind == "extra_leaf":
+        q = {**p, "step": jnp.full((3,), 7.0)}
+    else:
+        q = collections.OrderedDict(sorted(p.items(), reverse=True))
+    loss = lambda p: jnp.sum(grn(p, x) * r)  # noqa: E731
+    y_p, g_p = jax.value_and_grad(loss)(p)
+    y_q, g_q = jax.value_and_grad(loss)(q)
+    assert calls and grn_mod._tc_routed(I, 0, H, O) and not grn_mod._kernel_fits(I, 0, H, O)
+    assert type(g_q) is type(q) and jax.tree.structure(g_q) == jax.tree.structure(q)
+    np.testing.assert_array_equal(np.asarray(y_q), np.asarray(y_p))
+    for k in p:
+        np.testing.assert_array_equal(np.asarray(g_q[k]), np.asarray(g_p[k]), err_msg=k)
+    if kind == "extra_leaf":
+        np.testing.assert_array_equal(np.asarray(g_q["step"]), np.zeros(3, np.float32))

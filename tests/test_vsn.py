@@ -9,6 +9,7 @@ library). Gradients are checked against float64 central differences of it.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import jax
@@ -438,3 +439,27 @@ def test_tc_wiring_matches_autodiff_emulated():
     assert_tree_close(g[0], g_ref[0], 1e-5)
     assert_f32_close(g[1], g_ref[1], 1e-5)
     assert_f32_close(g[2], g_ref[2], 1e-5)
+
+
+def test_tc_path_takes_extra_variable_leaves(tc_emulated, kernels_on, monkeypatch):
+    """jaxfox.vsn with its per-variable GRNs on the TF32 path (FFI targets emulated) and params["variables"] holding
+    an extra leaf that is not stacked over m (a scalar): the reference takes it (zero gradient), and so must the
+    jax.vmap over the variables (before the fix: a vmap rank error); the rest equals the plain params' run."""
+    from test_grn import _kernel_branch
+
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "grn")
+    vsn_mod = importlib.import_module("jaxfox.vsn")
+    calls = _kernel_branch(monkeypatch, vsn_mod)
+    m, d, H, O, R = 3, 16, 128, 128, 24
+    p = random_vsn_params(m, d, H, O, seed=6)
+    q = {**p, "variables": {**p["variables"], "version": jnp.float32(2.0)}}
+    xs = jnp.asarray(np.random.default_rng(6).standard_normal((R, m, d)), jnp.float32)
+    loss = lambda p: jnp.sum(vsn(p, xs)[0] ** 2)  # noqa: E731
+    y_p, g_p = jax.value_and_grad(loss)(p)
+    y_q, g_q = jax.value_and_grad(loss)(q)
+    assert calls
+    np.testing.assert_array_equal(np.asarray(y_q), np.asarray(y_p))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_p)[0], jax.tree.leaves(
+            {**g_q, "variables": {k: v for k, v in g_q["variables"].items() if k != "version"}})):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
+    assert float(g_q["variables"]["version"]) == 0.0
