@@ -36,7 +36,6 @@
 // depend on the other rows.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <type_traits>
 
 #include "common.h"

@@ -60,17 +60,12 @@ __device__ __forceinline__ void Mma1688(float (&d)[4], const uint32_t (&a)[4], c
 // (kBRow) or B[col * ldb + k]. A and B point into shared memory (plain indexed loads: LDS with immediate
 // offsets); the operands are TF32 values already (rounded when they were written). Lane (g, t) loads
 // A(g | g + 8, t | t + 4) and B(t | t + 4, g) of each fragment, as the m16n8k8 MMA expects.
-// kBGlobal: B is a read-only global array (weights, already TF32 values) read through the L1 (__ldg) instead of
-// shared memory.
-template <int FR, int FC, bool kARow, bool kBRow, bool kBGlobal = false>
+template <int FR, int FC, bool kARow, bool kBRow>
 __device__ __forceinline__ void WarpMma(Frags<FR, FC>& acc, const float* A, int lda, const float* B, int ldb,
                                         int r0, int c0, int ksteps, int row_frags, int lane) {
   const int g = lane >> 2, t = lane & 3;
   auto a_at = [&](int row, int k) { return __float_as_uint(kARow ? A[row * lda + k] : A[k * lda + row]); };
-  auto b_at = [&](int k, int col) {
-    const float* p = kBRow ? B + k * ldb + col : B + col * ldb + k;
-    return __float_as_uint(kBGlobal ? __ldg(p) : *p);
-  };
+  auto b_at = [&](int k, int col) { return __float_as_uint(kBRow ? B[k * ldb + col] : B[col * ldb + k]); };
 #pragma unroll 2
   for (int ks = 0; ks < ksteps; ++ks) {
     const int k = 8 * ks + t;
