@@ -747,9 +747,8 @@ ffi::Error GrnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buffer<
 // jaxfox/grn.py), copied into shared memory in chunks of K (cp.async) for the B fragments. Two CTAs an
 // SM (<= 128 registers, <= ~101 KB of shared memory each). The forward writes y and, when a backward follows, the
 // residuals e2, e1, g = [g4 | g5], zhat, rstd; the backward writes dx and the row-wise gradients dg, de1, da2,
-// dz from which jaxfox/grn.py forms the weight and bias gradients with the deterministic grouped wgrad GEMM
-// (ffi/grouped_gemm.cu), plus each tile's [sum dy zhat | sum dy] (rows in increasing order) that reduce_axis0
-// sums into dgamma | dbeta. No atomics; a row's outputs do not depend on the other rows.
+// dz from which jaxfox/grn.py forms the weight and bias gradients (XLA's GEMMs and column sums), plus each tile's
+// [sum dy zhat | sum dy] (rows in increasing order) that reduce_axis0 sums into dgamma | dbeta. No atomics; a row's outputs do not depend on the other rows.
 namespace tc {
 
 constexpr int kRows = 32;  // rows of a tile (jaxfox/grn.py _TC_ROWS)
@@ -791,19 +790,21 @@ struct Product {
   __device__ __forceinline__ Product(int warp) : r0(T::Row0(warp)), c0(T::Col0(warp)) {
     acc.Zero();
   }
-  // Stages rows k0 .. k0 + kc of B into b (row stride LdRow(N), or transposed with row stride ldc).
-  __device__ __forceinline__ void Stage(float* b, const float* __restrict__ W, int ldw, int k0, int kc, int ldc) {
+  static constexpr int kLdc = kChunk + 4;  // row stride of a transposed chunk
+  static constexpr int kHalf = kBRow ? kChunk * LdRow(N) : N * kLdc;  // floats of one chunk buffer
+  // Stages rows k0 .. k0 + kChunk of B into b (row stride LdRow(N), or transposed with row stride kLdc).
+  __device__ __forceinline__ void Stage(float* b, const float* __restrict__ W, int ldw, int k0) {
     if (kBRow) {
       constexpr int n4 = N / 4;
-      for (int i = threadIdx.x; i < kc * n4; i += kThreads) {
+      for (int i = threadIdx.x; i < kChunk * n4; i += kThreads) {
         const int kk = i / n4, c = 4 * (i - kk * n4);
         CpAsync16(b + kk * LdRow(N) + c, W + static_cast<int64_t>(k0 + kk) * ldw + c, true);
       }
     } else {
-      const int k4 = kc / 4;
+      constexpr int k4 = kChunk / 4;
       for (int i = threadIdx.x; i < N * k4; i += kThreads) {
         const int n = i / k4, c = 4 * (i - n * k4);
-        CpAsync16(b + n * ldc + c, W + static_cast<int64_t>(n) * ldw + k0 + c, true);
+        CpAsync16(b + n * kLdc + c, W + static_cast<int64_t>(n) * ldw + k0 + c, true);
       }
     }
     CpAsyncCommit();
@@ -813,21 +814,19 @@ struct Product {
   // 8 rows with one barrier a chunk: 36.8 vs 27.9 us for two of 16 that way, H200).
   __device__ __forceinline__ void Run(const float* A, int lda, const float* __restrict__ W, int ldw, int K,
                                       float* wb, int lane) {
-    constexpr int kc = kChunk, ldc = kc + 4;  // K is a multiple of 16
-    const int half = kBRow ? kc * LdRow(N) : N * ldc;
-    const int nch = K / kc;
+    const int nch = K / kChunk;  // K is a multiple of 16
     __syncthreads();  // the buffers' previous product is read
-    Stage(wb, W, ldw, 0, kc, ldc);
+    Stage(wb, W, ldw, 0);
     for (int ch = 0; ch < nch; ++ch) {
       if (ch + 1 < nch) {
-        Stage(wb + ((ch + 1) & 1) * half, W, ldw, (ch + 1) * kc, kc, ldc);
+        Stage(wb + ((ch + 1) & 1) * kHalf, W, ldw, (ch + 1) * kChunk);
         CpAsyncWaitGroup<1>();
       } else {
         CpAsyncWaitGroup<0>();
       }
       __syncthreads();  // chunk ch visible to every thread
-      WarpMma<T::kFR, T::kFC, true, kBRow>(acc, A + ch * kc, lda, wb + (ch & 1) * half, kBRow ? LdRow(N) : ldc,
-                                           r0, c0, kc / 8, kFrags, lane);
+      WarpMma<T::kFR, T::kFC, true, kBRow>(acc, A + ch * kChunk, lda, wb + (ch & 1) * kHalf,
+                                           kBRow ? LdRow(N) : kLdc, r0, c0, kChunk / 8, kFrags, lane);
       __syncthreads();  // chunk ch's buffer is read before chunk ch + 2 is copied into it
     }
   }
