@@ -362,7 +362,7 @@ _grn_kernel.defvjp(_grn_kernel_fwd, _grn_kernel_bwd)
 # (w45 = [w4 | w5]); the backward kernel returns the activation gradients, and the parameter gradients are XLA's
 # GEMMs and column sums plus a reduce_axis0 of the per-tile LayerNorm partials.
 _TC_ROWS = 32                 # ffi/grn.cu tc kRows: rows a tile (one CTA of 256 threads a tile and vmap instance)
-_TC_KC = 32                   # ffi/grn.cu tc 2 kChunk: rows of K the two staged chunks of a weight hold
+_TC_CHUNK = 16                # ffi/grn.cu tc kChunk: rows of K a staged weight chunk holds (two in flight)
 _TC_INPUTS = (16, 32, 64, 128)
 _TC_WIDTHS = (32, 64, 128)    # Hd and O
 _TC_MAX_SMEM = 227 * 1024     # sm_90's opt-in dynamic shared memory per block
@@ -378,8 +378,8 @@ def _tc_smem_bytes(I, H, O):
     """(forward, backward) dynamic shared memory of the TF32 kernels, bytes (ffi/grn.cu tc FwdSmem / BwdSmem):
     the 32-row activation tiles and the buffers of the staged weight chunks."""
     wide = max(H, O) + 4
-    return (4 * (_TC_ROWS * ((I + 4) + wide + (2 * O + 4)) + _TC_KC * (max(H, 2 * O) + 8)),
-            4 * (_TC_ROWS * ((2 * O + 4) + wide + (O + 4)) + max(H, I) * 40))
+    return (4 * (_TC_ROWS * ((I + 4) + wide + (2 * O + 4)) + 2 * _TC_CHUNK * (max(H, 2 * O) + 8)),
+            4 * (_TC_ROWS * ((2 * O + 4) + wide + (O + 4)) + max(H, I) * 2 * (_TC_CHUNK + 4)))
 
 
 def _tc_smem_fits(I, H, O):
@@ -448,8 +448,8 @@ def _grn_tc_fwd(cfg, p, x):
 def _grn_tc_bwd(cfg, res, dy):
     """Activation gradients from jaxfox_grn_tc_bwd; dW = act^T d(pre-activation) and the bias gradients (column
     sums) from XLA (its TF32 dot at the default precision, as the reference's); [dgamma | dbeta] = the per-tile
-    partials summed by reduce_axis0. The gradient of a TF32-rounded weight is passed to the unrounded one (as XLA's TF32
-    dot: straight-through)."""
+    partials summed by reduce_axis0. The gradient of a TF32-rounded weight is passed to the unrounded one (as
+    XLA's TF32 dot: straight-through)."""
     p_like, x, (w2, w1, w45, ws, gamma), e2, e1, g, zhat, rstd = res
     R, I = x.shape
     H, O = cfg.hidden_size, cfg.output_size
