@@ -11,7 +11,7 @@ on the real daily trading data.
    after a reset), and q = mean over branches of the target network's Q(s, a_d) (the IQL target).
 3. Aux training: ``--steps`` steps of :func:`jaxfox.models.aux.make_aux`'s ``aux_step`` (ONE jitted function:
    IQL pair 48 -> 256 -> 128 -> 1 with expectiles 0.7/0.9 (``AuxConfig``'s default ``iql_impl="fused"``: with two
-   hidden layers that is the ``"vmap"`` batched-GEMM path, the fused kernel covers one), IQN with quantile Huber
+   hidden layers that is the ``"vmap"`` batched-GEMM path, the kernel path covers one), IQN with quantile Huber
    loss against an EMA target, attention pool over the window -> linear head regressing the scaled reward), each
    trainer with its own uniformly sampled minibatch of ``--batch-size`` transitions.
 

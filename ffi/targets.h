@@ -24,7 +24,7 @@
   X(jaxfox_iqn_head_fwd)    \
   X(jaxfox_iqn_head_bwd)    \
   X(jaxfox_iqn_loss)        \
-  X(jaxfox_iql_value_loss)
+  X(jaxfox_iql_head)
 
 #define JAXFOX_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JAXFOX_TARGETS(JAXFOX_DECLARE)

@@ -8,25 +8,24 @@ D -> H -> 1 with a ReLU hidden layer (``jaxfox.models.aux.iql_init(key, D, hidde
     V_g(s)  = ReLU(s W1_g + b1_g) . w2_g + b2_g
     loss_g  = (1 / B) sum_b |tau_g - 1{u < 0}| u^2,   u = target_b - V_g(obs_b)
 
-On CUDA (``ffi/iql.cu``) one kernel computes every loss AND its gradient with respect to the networks'
-parameters: per 32-row tile of obs it runs the first layer on the tensor cores, the value, the loss and
-dv = d loss_g / d V_g in an epilogue, and accumulates dW1_g = obs^T dh in registers, so no [B, H] activation
-goes to global memory and obs is read once per network (XLA's batched GEMMs write and re-read the hidden
-activations several times between the forward and the backward). The per-block gradient partials are summed
-by :func:`jaxfox.reduce_axis0`'s kernel in a fixed order (no atomics: bitwise reproducible). The gradient is
-computed in the forward call and kept as the ``custom_vjp`` residual, so the backward is a scaling by the
-cotangent of each loss; a forward alone (no ``jax.grad``) still pays for it.
+On CUDA the first layer's product of all G networks is ONE XLA GEMM, pre = obs [W1_1 | .. | W1_G] [B, G H],
+and one kernel (``ffi/iql.cu``, FFI target ``jaxfox_iql_head``) does everything after it in a single pass over
+pre: the bias, ReLU, the value, the residual, the expectile weight and loss, dv = d loss_g / d V_g, the gradient
+of the pre-activations dpre [B, G H] and the column sums for db1, dw2 and db2 (per-block partial rows summed by
+:func:`jaxfox.reduce_axis0`'s kernel in a fixed order: no atomics, bitwise reproducible). The weight gradient
+dW1 = obs^T dpre (and d obs = dpre W1^T, when wanted) is XLA's GEMM again, by autodiff of the first product.
+The kernel computes the gradient in the forward call and keeps it as the ``custom_vjp`` residual, so the
+backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.grad``) still pays for it.
 
-Precision: float32 inputs; the two products (obs W1 and obs^T dh) in TF32 (10-bit mantissa, operands rounded
-to nearest) with float32 accumulation, as XLA's float32 GEMMs on the GPU at
-the default precision, which the reference path uses; everything else in float32.
+Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
+precision, as on the reference path); everything in the kernel is float32.
 
-The kernel is opt-in (``JAXFOX_OPT_IN_KERNELS=iql``, read when a function is traced): on the H200 it is not yet
-faster than XLA at the benchmark shape (BENCHMARKS.md, 2026-12-03 fourteenth session), so by default every
-device runs the reference. It covers D (obs_dim) in {64, 128, 256}, H in {64, 128}, any G and B >= 1 on GPUs whose shared memory
-per block holds its layout (about 221 KiB at D = 256, H = 128: compute capability 9.0 and 10.x; 8.0 fits the
-smaller shapes). Other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap``
-over the stacked networks: batched GEMMs). The op is for one device: it does not split the batch over a mesh.
+The kernel path is opt-in (``JAXFOX_OPT_IN_KERNELS=iql``, read when a function is traced): on the GPUs measured
+it is about as fast as XLA at the benchmark shape, not faster (BENCHMARKS.md, thirty-fifth session: XLA's two
+GEMMs are most of both paths' time), so by default every device runs the reference. It covers any D, H a
+multiple of 4 up to 512, G <= 65535 networks and 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
+other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap`` over the stacked
+networks: batched GEMMs). The op is for one device: it does not split the batch over a mesh.
 """
 
 from __future__ import annotations
@@ -38,19 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match,
-                         smem_per_block_limit)
+from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import check_array
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["iql_value_loss"]
-
-_KERNEL_D = (64, 128, 256)   # obs_dim values with a kernel instantiation (ffi/iql.cu ByShape)
-_KERNEL_H = (64, 128)        # hidden sizes with a kernel instantiation
-_TILE_ROWS = 32              # ffi/iql.cu kRows
-_GRID_CTAS = 132             # blocks aimed at (the H200's SM count, fixed so that the gradients' summation
-                             # order is a function of the shapes only, not of the device)
-
 
 class _Config(NamedTuple):
     taus: tuple[float, ...]
@@ -107,77 +98,69 @@ def _reference(taus, params, obs, target):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel path: one FFI call returns, per network, the reduced row [dW1 (D H) | db1 (H) | dw2 (H) | db2 | loss | 0 0]
-# and dy [G, B] = d loss_g / d target_b.
-def _splits(B, G):
-    return min(-(-B // _TILE_ROWS), max(1, _GRID_CTAS // G))
+# Kernel path: XLA's GEMMs for pre = obs [W1_1 | .. | W1_G] and, by autodiff, dW1 = obs^T dpre (and d obs); one
+# kernel (ffi/iql.cu jaxfox_iql_head) for everything between them, returning per network the reduced row
+# [db1 (H) | dw2 (H) | db2 | loss | 0 0], dpre [B, G H] and dy [G, B].
+_HEAD_TILE = 32              # ffi/iql.cu kHeadTile
+_HEAD_CTAS = 528             # blocks aimed at (4 an SM of the H200), fixed: the summation order is the shapes'
 
 
-def _call(cfg, w1, b1, w2, b2, obs, target):
-    G, D, H = w1.shape
-    B = obs.shape[0]
-    P = D * H + 2 * H + 4    # ffi/iql.cu Layout::kP (two floats of padding)
-    S = _splits(B, G)
+def _head_splits(B, G):
+    return min(-(-B // _HEAD_TILE), max(1, _HEAD_CTAS // G))
+
+
+def _head_call(cfg, pre, b1, w2, b2, target):
+    B = pre.shape[0]
+    G, H = b1.shape
+    P = 2 * H + 4
+    S = _head_splits(B, G)
     chunks = reduce_chunks(S, G * P)
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((G, P), f32),                                  # grads (reduced partial rows)
+           jax.ShapeDtypeStruct((B, G * H), f32),                              # dpre
            jax.ShapeDtypeStruct((G, B), f32),                                  # dy
            jax.ShapeDtypeStruct((S, G, P), f32),                               # workspace: per-block partials
            jax.ShapeDtypeStruct((chunks * G * P if chunks > 1 else 0,), f32))  # workspace: chunk partials
-    rows, dy, *_ = _ffi_call("jaxfox_iql_value_loss", out, vmap_method="sequential")(
-        obs, target, w1, b1, w2.reshape(G, H), b2.reshape(G), jnp.asarray(cfg.taus, f32),
-        inv_batch=np.float32(1.0 / B), chunks=np.int64(chunks))
-    return rows[:, D * H + 2 * H + 1], rows, dy
+    rows, dpre, dy, *_ = _ffi_call("jaxfox_iql_head", out, vmap_method="sequential")(
+        pre, target, b1, w2, b2, jnp.asarray(cfg.taus, f32), inv_batch=np.float32(1.0 / B), chunks=np.int64(chunks))
+    return rows, dpre, dy
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss_kernel(cfg, w1, b1, w2, b2, obs, target):
-    return _call(cfg, w1, b1, w2, b2, obs, target)[0]
+def _head(cfg, pre, b1, w2, b2, target):
+    rows, _, _ = _head_call(cfg, pre, b1, w2, b2, target)
+    return rows[:, 2 * b1.shape[1] + 1]
 
 
-def _loss_kernel_fwd(cfg, w1, b1, w2, b2, obs, target):
-    # symbolic_zeros: the primals arrive as CustomVJPPrimal (value, perturbed); d obs (on the XLA path) and
-    # d target are formed only for the inputs being differentiated.
-    loss, rows, dy = _call(cfg, w1.value, b1.value, w2.value, b2.value, obs.value, target.value)
-    res = (rows, dy, w1.value, b1.value, w2.value, b2.value, obs.value, target.value,
-           bool(obs.perturbed), bool(target.perturbed))
-    return loss, res
+def _head_fwd(cfg, pre, b1, w2, b2, target):
+    rows, dpre, dy = _head_call(cfg, pre, b1, w2, b2, target)
+    return rows[:, 2 * b1.shape[1] + 1], (rows, dpre, dy, (pre, b1, w2, b2, target))
 
 
-def _loss_kernel_bwd(cfg, res, gl):
-    rows, dy, w1, b1, w2, b2, obs, target, want_obs, want_target = res
-    if isinstance(gl, jax.custom_derivatives.SymbolicZero):
-        return (None,) * 6
+def _head_bwd(cfg, res, gl):
+    rows, dpre, dy, primals = res
+    H = (rows.shape[1] - 4) // 2
+    cts = (dpre * jnp.repeat(gl, H)[None, :], gl[:, None] * rows[:, :H], gl[:, None] * rows[:, H:2 * H],
+           gl * rows[:, 2 * H], jnp.sum(gl[:, None] * dy, axis=0))
+    return psum_to_match(cts, primals)  # inside shard_map: the replicated params' per-device partials summed
+
+
+_head.defvjp(_head_fwd, _head_bwd)
+
+
+def _loss_head(cfg, w1, b1, w2, b2, obs, target):
     G, D, H = w1.shape
-    s = gl[:, None] * rows                                         # d (sum_g gl_g loss_g) / d params_g
-    dw1 = s[:, :D * H].reshape(G, D, H)
-    db1 = s[:, D * H:D * H + H]
-    dw2 = s[:, D * H + H:D * H + 2 * H].reshape(G, H, 1)
-    db2 = s[:, D * H + 2 * H:D * H + 2 * H + 1]
-    dtarget = jnp.sum(gl[:, None] * dy, axis=0) if want_target else None
-    dobs = None
-    if want_obs:  # dh recomputed from the pre-activations on the XLA path (the kernel has no d obs)
-        pre = jnp.einsum("bd,gdh->gbh", obs, w1) + b1[:, None, :]
-        dh = jnp.where(pre > 0, (-gl[:, None] * dy)[..., None] * w2[:, None, :, 0], 0.0)
-        dobs = jnp.einsum("gbh,gdh->bd", dh, w1)
-    return psum_to_match((dw1, db1, dw2, db2, dobs, dtarget), (w1, b1, w2, b2, obs, target))
+    pre = jnp.dot(obs, jnp.transpose(w1, (1, 0, 2)).reshape(D, G * H))   # [B, G H]: one GEMM for the G networks
+    return _head(cfg, pre, b1, w2.reshape(G, H), b2.reshape(G), target)
 
 
-_loss_kernel.defvjp(_loss_kernel_fwd, _loss_kernel_bwd, symbolic_zeros=True)
-
-
-def _smem_bytes(D, H):
-    """Dynamic shared memory of a kernel instantiation (ffi/iql.cu Layout<D, H>::kTotal floats)."""
-    return 4 * (D * (H + 8) + 2 * _TILE_ROWS * (D + 4) + _TILE_ROWS * (H + 8) + 2 * H + 5 * _TILE_ROWS + 2 * H)
-
-
-def _kernel_supported(G, D, H, B):
-    if not (D in _KERNEL_D and H in _KERNEL_H and 1 <= B < 2**31 - _TILE_ROWS and G <= 65535):
+def _kernel_supported(G, H, B):
+    """The kernel's limits (ffi/iql.cu IqlHeadImpl): H a multiple of 4 up to 512 (a lane holds 4 columns of
+    up to 4 chunks of 128), G <= 65535 (grid y), B <= 2^31 - 33; compute capability 8.0 or newer."""
+    if not (H % 4 == 0 and 4 <= H <= 512 and G <= 65535 and 1 <= B < 2**31 - _HEAD_TILE):
         return False
     cc = cuda_compute_capability()  # None when no CUDA device is visible (tracing for CUDA elsewhere)
-    if cc is None:
-        return True
-    return cc >= (8, 0) and _smem_bytes(D, H) <= smem_per_block_limit(cc)
+    return cc is None or cc >= (8, 0)
 
 
 def iql_value_loss(params, obs, target, expectiles):
@@ -197,10 +180,10 @@ def iql_value_loss(params, obs, target, expectiles):
       loss [G] float32: each network's loss, the mean over the B rows (the mean of
       ``jaxfox.expectile_loss(target[:, None] - V, expectiles)`` over the batch, per network).
 
-    Differentiable (reverse mode) in params, obs and target. On the kernel path the parameter gradient comes
-    from the fused kernel, d target from its per-row dv, and d obs (rarely wanted: obs is data) from XLA,
-    recomputing the hidden pre-activations; forward mode and higher derivatives only off the kernel path.
-    The kernel's products are TF32, as XLA's at the default precision (module docstring).
+    Differentiable (reverse mode) in params, obs and target. On the kernel path the kernel gives dpre, d target
+    (its per-row dv) and the gradients of b1, w2 and b2; XLA's GEMMs give dW1 = obs^T dpre and d obs; forward
+    mode and higher derivatives only off the kernel path. The products are XLA's on both paths (module
+    docstring).
 
     Source: Kostrikov, Nair & Levine 2021, "Offline Reinforcement Learning with Implicit Q-Learning", eq. (5)
     and ikostrikov/implicit_q_learning's ``expectile_loss`` (mean over the batch); OPS.md "Losses".
@@ -218,11 +201,11 @@ def iql_value_loss(params, obs, target, expectiles):
     if B == 0:
         raise ValueError("obs must have at least one row (the loss is a mean over the batch), got B = 0")
     reference = functools.partial(_reference, taus)
-    if not kernel_opted_in("iql") or not _kernel_supported(G, D, H, B):
+    if not kernel_opted_in("iql") or not _kernel_supported(G, H, B):
         return reference(params, obs, target)
 
     def kernel(params, obs, target):
         (w1, w2), (b1, b2) = params["w"], params["b"]
-        return _loss_kernel(_Config(taus), w1, b1, w2, b2, obs, target)
+        return _loss_head(_Config(taus), w1, b1, w2, b2, obs, target)
 
     return dispatch(kernel, reference, params, obs, target)

@@ -1,20 +1,19 @@
-"""Small IQL value-loss runs through the fused CUDA kernel (ffi/iql.cu: jaxfox_iql_value_loss), for compute-sanitizer.
+"""Small IQL value-loss runs through the CUDA kernel path (ffi/iql.cu: jaxfox_iql_head), for compute-sanitizer.
 
 Run on the GPU machine (tools/gpu_visit.sh phase ``sanitize:iql``), e.g.:
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_iql.py
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_iql.py
 Cases (G, D, H, B), each run once:
-(2, 256, 128, 37): the aux trainers' network shape, 2 tiles, the last one partial (5 of 32 rows);
-(1, 64, 64, 5): B < 32, one partial tile, the smallest instantiation;
+(2, 256, 128, 37): the aux trainers' network shape, 2 tiles of 32 rows, the last one partial (5 rows);
+(1, 64, 64, 5): B < 32, one partial tile, H < 128 (lanes 16..31 hold no column);
 (3, 128, 64, 1000): G = 3 (grid 32 x 3), 32 tiles, the last one partial (8 rows);
-(2, 128, 128, 4097): 129 tiles over 66 blocks a network (blocks walk several tiles: the next-tile prefetch and
-the double buffer), the last tile 1 row, and the chunked parameter-gradient reduction (reduce_chunks > 1).
-Each case runs jax.vjp w.r.t. the params (the kernel computes the loss, the parameter gradient and
-dy in its one call; only the params are differentiated so that the program has no XLA GEMM: d obs would add
-XLA's, and the sanitizer has segfaulted on programs with cuBLAS / sm_90 GEMM kernels, CONTEXT.md), blocks until
-ready, and checks that every result is finite, and the values against the float64 NumPy oracle of tests/test_iql.py
-(rel err <= 5e-3 per array, the TF32 tolerance) on the exact-math inputs of tests/test_iql.py (every first-layer
-pre-activation |p| >= 0.2 and every residual |u| >= 0.25, asserted with the oracle, so TF32 flips no mask).
+(2, 128, 128, 4097): 129 tiles over 129 blocks a network, the last tile 1 row, and the chunked reduction of the
+partial rows (reduce_chunks > 1).
+Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM, the kernel, and XLA's weight-gradient GEMM;
+on an H100 the sanitizer ran such programs, the thirty-fifth session), blocks until ready, and checks that every
+result is finite, and the values against the float64 NumPy oracle of tests/test_iql.py (rel err <= 5e-3 per
+array, the TF32 tolerance) on the exact-math inputs of tests/test_iql.py (every first-layer pre-activation
+|p| >= 0.2 and every residual |u| >= 0.25, asserted with the oracle, so TF32 flips no mask).
 Prints OK at the end. Exit status: 0 when all pass; 1 when a result is not finite or off the oracle; 2 when the
 kernels are not available (nothing would be sanitized).
 """
@@ -40,7 +39,7 @@ import numpy as np  # noqa: E402
 import jaxfox  # noqa: E402
 from jaxfox.reduce import reduce_chunks  # noqa: E402
 
-TARGET = "jaxfox_iql_value_loss"
+TARGET = "jaxfox_iql_head"
 TOL = 5e-3
 
 
@@ -79,8 +78,8 @@ def main() -> int:
     if not jaxfox.kernels_available():
         print(f"jaxfox kernels unavailable: {jaxfox.kernels_unavailable_reason()}", file=sys.stderr)
         return 2
-    P = 128 * 128 + 2 * 128 + 4               # ffi/iql.cu Layout::kP at D = H = 128
-    S = min(-(-4097 // 32), 132 // 2)         # jaxfox/iql.py _splits: 66 blocks a network
+    P = 2 * 128 + 4                           # ffi/iql.cu: a partial row [db1 | dw2 | db2 | loss | 0 0] at H = 128
+    S = min(-(-4097 // 32), 528 // 2)         # jaxfox/iql.py _head_splits: 129 blocks a network
     assert reduce_chunks(S, 2 * P) > 1, "the last case no longer takes the chunked reduction"
     ok = True
     for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097)):

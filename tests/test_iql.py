@@ -4,10 +4,11 @@
   implementation of the module docstring's equations (``np_iql_loss`` / ``np_iql_grads``, the gradient written by
   hand with the chain rule and itself checked against central differences), and ``jax.test_util.check_grads``;
 * jit / vmap composition; the argument checks (raised before anything runs, naming the argument);
-* the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_value_loss; opt-in: JAXFOX_OPT_IN_KERNELS=iql), traced
-  and lowered for CUDA on this CPU machine with the kernels forced on and opted in: one FFI call computing the loss and the parameter gradient, with which
-  operand / result shapes and attributes, no [B, H] activation in the program unless d obs is wanted, and which
-  shapes fall back to the reference.
+* the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_head; opt-in: JAXFOX_OPT_IN_KERNELS=iql), traced
+  and lowered for CUDA on this CPU machine with the kernels forced on and opted in: one FFI call between XLA's
+  first-layer GEMM and its weight-gradient GEMM, with which operand / result shapes and attributes, which
+  products, and which shapes fall back to the reference; its Python wiring (the custom_vjp around the call)
+  against the oracle with the FFI call's results computed in JAX.
 
 The oracle and the input builders (``exact_inputs``: every first-layer pre-activation and every residual u kept
 away from 0, asserted by ``assert_far_from_kinks``; ``typical_inputs``: iql_init) are also used by
@@ -533,7 +534,7 @@ def test_good_inputs_reach_a_path(nothing_runs, monkeypatch):
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iql")
     iql_value_loss(*_good(), (0.7, 0.9))
     assert nothing_runs == ["dispatch"]
-    iql_value_loss(*typical_inputs(2, 32, 64, 5), 0.7)  # D = 32: no kernel, the reference directly
+    iql_value_loss(*typical_inputs(2, 32, 6, 5), 0.7)   # H = 6: no kernel, the reference directly
     assert nothing_runs == ["dispatch", "reference"]
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
     iql_value_loss(*_good(), (0.7, 0.9))                # not opted in: the reference directly
@@ -553,7 +554,7 @@ def test_exact_inputs_premise():
 
 # ----------------------------------------------------------------------------------------------
 # The CUDA kernel path, lowered for CUDA on this CPU machine (kernels forced on: conftest's kernels_on).
-TARGET = "jaxfox_iql_value_loss"
+TARGET = "jaxfox_iql_head"
 
 
 @pytest.fixture
@@ -568,7 +569,7 @@ def _cuda_text(f, *args):
 
 
 def _calls(text):
-    """[(attrs {name: str}, operand types, result types)] of every jaxfox_iql_value_loss custom call."""
+    """[(attrs {name: str}, operand types, result types)] of every jaxfox_iql_head custom call."""
     out = []
     for line in text.splitlines():
         m = re.search(r"custom_call @" + TARGET + r"\(.*mhlo\.backend_config = \{([^}]*)\}.*\} : \((.*)\) -> (.*)$",
@@ -598,14 +599,17 @@ def _value_and_grad(taus, argnums):
 
 
 def _splits(G, B):
-    """S: the grid's splits of the 32-row tiles (jaxfox/iql.py: ~132 blocks over the G networks)."""
-    return min(-(-B // 32), max(1, 132 // G))
+    """S: the grid's splits of the 32-row tiles (jaxfox/iql.py: ~528 blocks over the G networks)."""
+    return min(-(-B // 32), max(1, 528 // G))
 
 
 @pytest.mark.parametrize("G,D,H,B", [(2, 256, 128, 37), (2, 256, 128, 4097), (2, 256, 128, 16384),
-                                     (1, 64, 64, 1), (3, 128, 64, 1000), (2, 64, 128, 100)])
+                                     (1, 64, 64, 1), (3, 128, 64, 1000), (2, 64, 128, 100), (2, 48, 12, 70)])
 @pytest.mark.parametrize("argnums", [(0,), (0, 2), (0, 1, 2), (1,)], ids=str)
 def test_kernel_path_lowering(kernels_on, G, D, H, B, argnums):
+    """One kernel call between XLA's two products: pre = obs [W1_1 | .. | W1_G] (one [B, D] x [D, G H] GEMM) and
+    dW1 = obs^T dpre (one [D, B] x [B, G H] GEMM; only when the params are differentiated), plus
+    d obs = dpre [W1_1 | ..]^T when obs is."""
     from jaxfox.reduce import reduce_chunks
 
     params, obs, target = typical_inputs(G, D, H, B)
@@ -614,36 +618,38 @@ def test_kernel_path_lowering(kernels_on, G, D, H, B, argnums):
     calls = _calls(text)
     assert len(calls) == 1 and text.count("custom_call @jaxfox") == 1, text.count("custom_call @jaxfox")
     attrs, operands, results = calls[0]
-    P, S = D * H + 2 * H + 4, _splits(G, B)  # ffi/iql.cu Layout::kP: [dW1 | db1 | dw2 | db2 | loss | 0 0]
+    P, S = 2 * H + 4, _splits(G, B)  # ffi/iql.cu IqlHeadImpl: [db1 | dw2 | db2 | loss | 0 0]
     chunks = reduce_chunks(S, G * P)
-    assert operands == [_t(B, D), _t(B), _t(G, D, H), _t(G, H), _t(G, H), _t(G), _t(G)], operands
-    assert results == [_t(G, P), _t(G, B), _t(S, G, P), _t(chunks * G * P if chunks > 1 else 0)], results
+    assert operands == [_t(B, G * H), _t(B), _t(G, H), _t(G, H), _t(G), _t(G)], operands
+    assert results == [_t(G, P), _t(B, G * H), _t(G, B), _t(S, G, P),
+                       _t(chunks * G * P if chunks > 1 else 0)], results
     assert int(attrs["chunks"].split(":")[0]) == chunks
     assert abs(float(attrs["inv_batch"].split(":")[0]) - 1.0 / B) <= 1e-7 / B
     if (G, B) == (2, 4097):
-        assert S == 66 and chunks > 1  # the chunked reduction of the partial rows
+        assert S == 129 and chunks > 1  # the chunked reduction of the partial rows
     dots = _dot_types(text)
-    if 1 not in argnums:  # d obs not wanted: no XLA product at all, in particular none over [B, H] activations
-        acts = [d for d in dots if re.search(rf"\b{B}x{H}x|\b{H}x{B}x", d)]
-        assert not acts, acts
-        assert dots == [], dots  # d target is a scaled sum of the kernel's dy rows, not a product
-        # nothing of [G, B, H] is computed: the only such values are the zero placeholders that
-        # platform_dependent's linearization adds for the reference branch's residuals (broadcast constants,
-        # unused: XLA removes them; test_gpu_iql.py checks the compiled program)
-        ops = set()
-        for line in text.splitlines() if B > 1 else ():  # B = 1: [G, H, B] is w2's shape
-            if re.search(rf"tensor<{G}x{B}x{H}x(f32|i1)>|tensor<{G}x{H}x{B}x(f32|i1)>", line):
-                m = re.search(r"= \"?stablehlo\.(\w+)|^\s*(stablehlo\.return|\}\))", line)
-                ops.add(m.group(1) or m.group(2) if m else line.strip()[:80])
-        assert ops <= {"broadcast_in_dim", "stablehlo.return", "})"}, ops
-    else:  # d obs on XLA, from the recomputed pre-activations: still one kernel call
-        assert any(d.endswith(f"-> {_t(B, D)}") for d in dots), dots
+    want = [f"({_t(B, D)}, {_t(D, G * H)}) -> {_t(B, G * H)}"]                 # the forward
+    if 0 in argnums:
+        want.append(f"({_t(B, G * H)}, {_t(B, D)}) -> {_t(G * H, D)}")          # dW1 (transposed: obs^T dpre)
+    if 1 in argnums:
+        want.append(f"({_t(B, G * H)}, {_t(D, G * H)}) -> {_t(B, D)}")          # d obs
+    assert sorted(dots) == sorted(want), dots
+    assert all("precision = [DEFAULT, DEFAULT]" in line for line in text.splitlines() if "dot_general" in line)
+    # nothing of [G, B, H] is computed: the only such values are the zero placeholders that platform_dependent's
+    # linearization adds for the reference branch's residuals (broadcast constants, unused: XLA removes them;
+    # test_gpu_iql.py checks the compiled program)
+    ops = set()
+    for line in text.splitlines() if B > 1 else ():  # B = 1: [G, H, B] is w2's shape
+        if re.search(rf"tensor<{G}x{B}x{H}x(f32|i1)>|tensor<{G}x{H}x{B}x(f32|i1)>", line):
+            m = re.search(r"= \"?stablehlo\.(\w+)|^\s*(stablehlo\.return|\}\))", line)
+            ops.add(m.group(1) or m.group(2) if m else line.strip()[:80])
+    assert ops <= {"broadcast_in_dim", "stablehlo.return", "})"}, ops
 
 
 def test_kernel_path_forward_only(kernels_on):
     params, obs, target = typical_inputs(2, 256, 128, 37)
     text = _cuda_text(lambda p, o, t: iql_value_loss(p, o, t, (0.7, 0.9)), params, obs, target)
-    assert len(_calls(text)) == 1 and "stablehlo.dot_general" not in text
+    assert len(_calls(text)) == 1 and _dot_types(text) == [f"({_t(37, 256)}, {_t(256, 256)}) -> {_t(37, 256)}"]
 
 
 def test_kernel_path_taus_operand(kernels_on):
@@ -654,7 +660,55 @@ def test_kernel_path_taus_operand(kernels_on):
         [l for l in text.splitlines() if "tensor<3xf32>" in l and "constant" in l]
 
 
-@pytest.mark.parametrize("G,D,H", [(2, 32, 64), (2, 256, 16), (2, 96, 64), (2, 256, 256), (1, 64, 32)])
+def _emulated_head_call(cfg, pre, b1, w2, b2, target):
+    """jaxfox_iql_head's results written in JAX from ffi/iql.cu's comment (float32 sums in XLA's order): the
+    reduced rows [db1 | dw2 | db2 | loss | 0 0], dpre and dy."""
+    B = pre.shape[0]
+    G, H = b1.shape
+    p = pre.reshape(B, G, H) + b1[None]
+    h = jnp.maximum(p, 0.0)
+    v = jnp.einsum("bgh,gh->bg", h, w2, precision="highest") + b2[None]
+    u = target[:, None] - v
+    tau = jnp.asarray(cfg.taus, jnp.float32)[None]
+    w = jnp.where(u < 0, 1.0 - tau, tau)
+    dv = -2.0 * w * u / B
+    dpre = jnp.where(p > 0, dv[..., None] * w2[None], 0.0)
+    rows = jnp.concatenate([dpre.sum(0), jnp.einsum("bgh,bg->gh", h, dv, precision="highest"), dv.sum(0)[:, None],
+                            (w * u * u).mean(0)[:, None], jnp.zeros((G, 2), jnp.float32)], axis=1)
+    return rows, dpre.reshape(B, G * H), -dv.T
+
+
+@pytest.mark.parametrize("G,D,H,B", [(2, 32, 16, 50), (3, 24, 8, 7), (1, 16, 4, 1)])
+def test_kernel_path_wiring_with_emulated_target(monkeypatch, G, D, H, B):
+    """The kernel path's Python around the FFI call (the concatenated first layer, the custom_vjp's scaling of the
+    kernel's gradients by each loss's cotangent, dpre through XLA's products to dW1 and d obs, d target) against
+    the float64 oracle, with jaxfox_iql_head's results computed in JAX (_emulated_head_call) and the products at
+    the highest precision: every loss and gradient to float32 accuracy, also under vmap."""
+    monkeypatch.setattr(iql_mod, "_head_call", _emulated_head_call)
+    params, obs, target = typical_inputs(G, D, H, B, seed=3)
+    taus, c = taus_for(G), cotangent(G)
+
+    def loss(p, o, t):
+        (w1, w2), (b1, b2) = p["w"], p["b"]
+        return iql_mod._loss_head(iql_mod._Config(taus), w1, b1, w2, b2, o, t)
+
+    with jax.default_matmul_precision("highest"):
+        out, vjp = jax.vjp(jax.jit(loss), params, obs, target)
+        got = named(*vjp(c))
+        want = np_iql_grads(params, obs, target, taus, c)
+        np.testing.assert_allclose(out, np_iql_loss(params, obs, target, taus), rtol=2e-5, atol=1e-6)
+        for k in GRAD_KEYS:
+            assert rel_err(got[k], want[k]) <= 1e-5, (k, rel_err(got[k], want[k]))
+        batch = ((obs, target), (2 * obs, -target))
+        gv = jax.vmap(jax.grad(lambda p, o, t: jnp.sum(c * loss(p, o, t))), in_axes=(None, 0, 0))(
+            params, jnp.stack([o for o, _ in batch]), jnp.stack([t for _, t in batch]))
+    for i, (o, t) in enumerate(batch):
+        want = np_iql_grads(params, o, t, taus, c)
+        for k, leaf in named(gv).items():
+            assert rel_err(leaf[i], want[k]) <= 1e-5, (i, k, rel_err(leaf[i], want[k]))
+
+
+@pytest.mark.parametrize("G,D,H", [(2, 32, 6), (2, 64, 516), (1, 64, 2)])
 def test_unsupported_shapes_lower_to_the_reference(kernels_on, G, D, H):
     params, obs, target = typical_inputs(G, D, H, 40)
     text = _cuda_text(_value_and_grad(taus_for(G), (0, 1, 2)), params, obs, target, cotangent(G))
@@ -696,24 +750,21 @@ def test_kernel_path_vmap_lowering(kernels_on):
     text = _cuda_text(f, params, jnp.stack([obs] * V), jnp.stack([target] * V), cotangent(G))
     calls = _calls(text)
     assert len(calls) == 1 and "stablehlo.while" in text
-    assert calls[0][1][:2] == [_t(B, D), _t(B)], calls[0][1]
+    assert calls[0][1][:2] == [_t(B, G * H), _t(B)], calls[0][1]
 
 
-@pytest.mark.parametrize("cc,D,H,ok", [
-    ((9, 0), 256, 128, True), ((10, 0), 256, 128, True), ((8, 0), 256, 128, False), ((8, 0), 256, 64, True),
-    ((8, 0), 128, 128, True), ((8, 6), 128, 64, True), ((8, 6), 256, 64, False), ((12, 0), 64, 128, True),
-    ((7, 5), 64, 64, False), ((9, 0), 32, 64, False), ((9, 0), 256, 256, False)])
-def test_kernel_needs_the_shared_memory_of_its_layout(monkeypatch, cc, D, H, ok):
-    """The kernel path is taken only where the device's opt-in shared memory per block holds ffi/iql.cu's Layout
-    (floats: D (H + 8) + 2 * 32 (D + 4) + 32 (H + 8) + 2 H + 5 * 32 + 2 H; 225920 bytes at D = 256, H = 128;
-    the numbers follow that Layout and change with it)."""
+@pytest.mark.parametrize("cc,H,ok", [((9, 0), 128, True), ((8, 0), 128, True), ((8, 6), 512, True),
+                                     ((12, 0), 4, True), ((7, 5), 128, False), ((9, 0), 6, False),
+                                     ((9, 0), 516, False), ((9, 0), 0, False)])
+def test_kernel_needs_sm80_and_h_a_multiple_of_4(monkeypatch, cc, H, ok):
+    """The kernel path is taken on compute capability 8.0 or newer, for H a multiple of 4 in [4, 512] (ffi/iql.cu
+    IqlHeadImpl: a lane holds 4 columns of each of up to 4 chunks of 128), for any D (XLA's GEMMs)."""
     monkeypatch.setattr(iql_mod, "cuda_compute_capability", lambda: cc)
-    assert iql_mod._kernel_supported(2, D, H, 100) is ok
-    assert iql_mod._smem_bytes(256, 128) == 225920 and iql_mod._smem_bytes(64, 64) == 46720
+    assert iql_mod._kernel_supported(2, H, 100) is ok
 
 
 def test_kernel_row_and_network_limits(monkeypatch):
     monkeypatch.setattr(iql_mod, "cuda_compute_capability", lambda: (9, 0))
-    assert iql_mod._kernel_supported(2, 256, 128, 2**31 - 33)   # the handler's limit: B <= 2^31 - 33
-    assert not iql_mod._kernel_supported(2, 256, 128, 2**31 - 32)
-    assert iql_mod._kernel_supported(65535, 64, 64, 1) and not iql_mod._kernel_supported(65536, 64, 64, 1)
+    assert iql_mod._kernel_supported(2, 128, 2**31 - 33)   # the handler's limit: B <= 2^31 - 33
+    assert not iql_mod._kernel_supported(2, 128, 2**31 - 32)
+    assert iql_mod._kernel_supported(65535, 64, 1) and not iql_mod._kernel_supported(65536, 64, 1)

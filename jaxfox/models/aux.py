@@ -11,8 +11,9 @@ them, so that XLA can run them concurrently on the GPU (with
   each trained with ``mean_b expectile_loss(q_b - V_g(s_b), tau_g)`` (:func:`jaxfox.expectile_loss`), where
   q is the target value of the data action (in ``examples/train_aux.py``: the DQN target network's
   Q(s, a_data), averaged over branches). With ``iql_impl="fused"`` (default) the losses of all G networks
-  and their parameter gradients are ONE kernel, :func:`jaxfox.iql_value_loss` (one hidden layer; deeper
-  networks fall back to "vmap"; the kernel is opt-in, ``JAXFOX_OPT_IN_KERNELS=iql``, else its reference runs). With ``iql_impl="grouped"`` every layer of BOTH
+  and their parameter gradients are :func:`jaxfox.iql_value_loss` (one hidden layer: one GEMM for every first
+  layer, one kernel for the rest; deeper networks fall back to "vmap"; the kernel is opt-in,
+  ``JAXFOX_OPT_IN_KERNELS=iql``, else its reference runs). With ``iql_impl="grouped"`` every layer of BOTH
   networks is ONE :func:`jaxfox.grouped_matmul_stacked` call (groups = networks, stacked weights, the
   first layer's shared input passed once; forward and backward grouped; ``"grouped_list"`` uses the list
   form :func:`jaxfox.grouped_matmul`);
@@ -63,8 +64,8 @@ class AuxConfig(NamedTuple):
 
     obs_dim: F, state features of IQL and IQN.  iql_hidden: hidden widths of each IQL value network
     (F -> *iql_hidden -> 1).  expectiles: one tau per IQL network (G = len, all in (0, 1)).
-    iql_impl: "fused" (the losses and their gradient in one :func:`jaxfox.iql_value_loss` kernel; networks
-    with one hidden layer, else as "vmap"), "grouped" (one grouped_matmul_stacked per layer for all G networks),
+    iql_impl: "fused" (the losses and their gradient by :func:`jaxfox.iql_value_loss`; networks with one
+    hidden layer, else as "vmap"), "grouped" (one grouped_matmul_stacked per layer for all G networks),
     "grouped_list" (one list-form grouped_matmul per layer) or "vmap" (the batched-GEMM baseline).
     iqn_hidden: H of the IQN head.  n_quantiles: N online samples.  n_target_quantiles: N'.
     n_cos: cosine features.  kappa: Huber threshold.  seq_len, seq_dim, num_heads: the attention
