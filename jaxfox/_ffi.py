@@ -261,6 +261,25 @@ def _explicit_batch_axes(args, batch):
     return None
 
 
+def explicitly_split(*trees) -> bool:
+    """True when a leaf of ``trees`` is split along any axis over an Explicit mesh axis (its type's sharding,
+    ``jax.typeof(x).sharding``: ``jax.make_mesh``'s default axis type). For ops whose kernel path is for one
+    device and not batch-parallel (a loss that is a mean over the batch), which then run their reference."""
+    from jax.sharding import AxisType
+
+    for leaf in jax.tree.leaves(trees):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty:
+            continue
+        types = dict(zip(mesh.axis_names, mesh.axis_types))
+        for entry in sharding.spec:
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            if any(types.get(a) == AxisType.Explicit for a in axes):
+                return True
+    return False
+
+
 def _only_batch_split(args, dims, mesh, axes) -> bool:
     """True when every batch leaf's batch axis divides over ``axes`` and no batch leaf is split along another
     axis (then each device's rows are a shard_map block; else XLA must partition the op: the reference)."""

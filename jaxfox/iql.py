@@ -25,7 +25,9 @@ it is about as fast as XLA at the benchmark shape, not faster (BENCHMARKS.md, th
 GEMMs are most of both paths' time), so by default every device runs the reference. It covers any D, H a
 multiple of 4 up to 512, G <= 65535 networks and 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
 other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap`` over the stacked
-networks: batched GEMMs). The op is for one device: it does not split the batch over a mesh.
+networks: batched GEMMs). The kernel path is for one device: arguments split over Explicit mesh axes
+(``jax.make_mesh``) run the reference, which XLA partitions; inside ``jax.shard_map`` each device runs the
+kernel on its rows and the parameter gradients are summed over the mesh axes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import cuda_compute_capability, dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
+from jaxfox._ffi import (cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, kernel_opted_in,
+                         psum_to_match)
 from jaxfox._validate import check_array
 from jaxfox.reduce import reduce_chunks
 
@@ -201,7 +204,9 @@ def iql_value_loss(params, obs, target, expectiles):
     if B == 0:
         raise ValueError("obs must have at least one row (the loss is a mean over the batch), got B = 0")
     reference = functools.partial(_reference, taus)
-    if not kernel_opted_in("iql") or not _kernel_supported(G, H, B):
+    # split over Explicit mesh axes: the reference, which XLA partitions (the kernel path's loss is a mean over the
+    # whole batch on one device, and its FFI results carry no sharding for the cotangents to match)
+    if not kernel_opted_in("iql") or not _kernel_supported(G, H, B) or explicitly_split(params, obs, target):
         return reference(params, obs, target)
 
     def kernel(params, obs, target):

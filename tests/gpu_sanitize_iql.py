@@ -8,7 +8,8 @@ Cases (G, D, H, B), each run once:
 (1, 64, 64, 5): B < 32, one partial tile, H < 128 (lanes 16..31 hold no column);
 (3, 128, 64, 1000): G = 3 (grid 32 x 3), 32 tiles, the last one partial (8 rows);
 (2, 128, 128, 4097): 129 tiles over 129 blocks a network, the last tile 1 row, and the chunked reduction of the
-partial rows (reduce_chunks > 1).
+partial rows (reduce_chunks > 1);
+(2, 48, 132, 300): H = 132, two column chunks a lane (the second only on lane 0).
 Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM, the kernel, and XLA's weight-gradient GEMM;
 on an H100 the sanitizer ran such programs, the thirty-fifth session), blocks until ready, and checks that every
 result is finite, and the values against the float64 NumPy oracle of tests/test_iql.py (rel err <= 5e-3 per
@@ -82,7 +83,7 @@ def main() -> int:
     S = min(-(-4097 // 32), 528 // 2)         # jaxfox/iql.py _head_splits: 129 blocks a network
     assert reduce_chunks(S, 2 * P) > 1, "the last case no longer takes the chunked reduction"
     ok = True
-    for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097)):
+    for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300)):
         ok = case(*shape, seed=sum(shape)) and ok
     if not ok:
         print("FAILED")

@@ -61,14 +61,16 @@ _opt_in = module_opt_in("iql")  # the IQL kernel is opt-in (not faster than XLA 
 TARGET = "jaxfox_iql_head"
 TOL = 5e-3                          # TF32 products without mask flips: norm-wise relative error per array
 XLA_FACTOR, XLA_SLACK = 3.0, 2e-3   # typical init: err(kernel) <= XLA_FACTOR err(reference) + XLA_SLACK
-SHAPES = [  # G, D, H, B; exact-math inputs
-    (2, 256, 128, 16384),  # the aux trainers' shape: 512 tiles over 66 blocks a network, chunked reduction
+SHAPES = [  # G, D, H, B; exact-math inputs (blocks a network: S = min(tiles of 32 rows, 528 // G), jaxfox/iql.py)
+    (2, 256, 128, 16384),  # the aux trainers' shape: 512 tiles over 264 blocks a network, chunked reduction
     (2, 256, 128, 37),     # 2 tiles, the last one partial (5 rows)
-    (1, 64, 64, 1),        # B = 1: one tile of one row; the smallest instantiation
-    (3, 128, 64, 1000),    # G = 3 (44 blocks a network), partial last tile (1000 = 31 x 32 + 8)
-    (2, 128, 128, 4097),   # 129 tiles over 66 blocks, partial last tile (1 row), chunked reduction
-    (1, 256, 64, 5000),    # G = 1: 132 blocks, chunked reduction (3 chunks)
+    (1, 64, 64, 1),        # B = 1: one tile of one row; lanes 16..31 hold no column (H = 64)
+    (3, 128, 64, 1000),    # G = 3 (32 blocks a network), partial last tile (1000 = 31 x 32 + 8)
+    (2, 128, 128, 4097),   # 129 tiles over 129 blocks, partial last tile (1 row), chunked reduction
+    (1, 256, 64, 5000),    # G = 1: 157 blocks, chunked reduction (3 chunks)
     (2, 64, 128, 100),     # D = 64, H = 128
+    (2, 48, 132, 300),     # H = 132: two column chunks a lane (the kernel's KH = 2), the second only on lane 0
+    (1, 32, 512, 70),      # H = 512: four column chunks a lane (KH = 4), the widest
 ]
 TYPICAL_SHAPES = [  # typical init, ~1e4 rows each (see the module docstring)
     (2, 256, 128, 10000),

@@ -546,7 +546,7 @@ def test_exact_inputs_premise():
     (checked here so that a broken premise shows on CPU; the GPU tests assert it again)."""
     from_gpu_tests = [(2, 256, 128, 16384), (2, 256, 128, 37), (1, 64, 64, 1), (3, 128, 64, 1000),
                       (2, 128, 128, 4097), (1, 256, 64, 5000), (2, 64, 128, 100), (1, 64, 64, 5), (2, 32, 64, 50),
-                      (2, 256, 16, 40)]
+                      (2, 256, 16, 40), (2, 48, 132, 300), (1, 32, 512, 70)]
     for G, D, H, B in from_gpu_tests:
         for seed in (G + B, 0, 1):
             assert_far_from_kinks(*exact_inputs(G, D, H, B, seed=seed))
@@ -706,6 +706,48 @@ def test_kernel_path_wiring_with_emulated_target(monkeypatch, G, D, H, B):
         want = np_iql_grads(params, o, t, taus, c)
         for k, leaf in named(gv).items():
             assert rel_err(leaf[i], want[k]) <= 1e-5, (i, k, rel_err(leaf[i], want[k]))
+
+
+@pytest.mark.parametrize("argnums", [(0,), (0, 1, 2)], ids=str)
+@pytest.mark.parametrize("split", ["batch", "params"])
+def test_explicit_sharding_runs_the_reference(kernels_on, argnums, split):
+    """obs / target split over an Explicit mesh axis (or a parameter split over one): the kernel path is not taken
+    (its loss is a mean over the whole batch on one device, its FFI results carry no sharding: the cotangent of
+    the batch-split first-layer product would not match its type), the reference's gradient lowers for CUDA, and
+    on CPU it equals the unsharded one."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    G, D, H, B = 2, 64, 64, 64
+    params, obs, target = typical_inputs(G, D, H, B)
+    c = cotangent(G)
+    want = _value_and_grad(taus_for(G), argnums)(params, obs, target, c)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        if split == "batch":
+            obs, target = jax.device_put((obs, target), NamedSharding(mesh, PartitionSpec("x")))
+        else:
+            w1 = jax.device_put(params["w"][0], NamedSharding(mesh, PartitionSpec(None, None, "x")))
+            params = dict(params, w=[w1, params["w"][1]])
+        f = _value_and_grad(taus_for(G), argnums)
+        text = _cuda_text(f, params, obs, target, c)
+        got = jax.jit(f)(params, obs, target, c)
+    assert "custom_call @jaxfox" not in text and "stablehlo.dot_general" in text
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_explicitly_split_reads_the_types():
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from jaxfox._ffi import explicitly_split
+
+    x = jnp.zeros((4, 6))
+    assert not explicitly_split(x, {"a": [x]})
+    for types, want in ((AxisType.Explicit, True), (AxisType.Auto, False)):
+        mesh = jax.make_mesh((2,), ("x",), axis_types=(types,), devices=jax.devices()[:2])
+        with jax.set_mesh(mesh):
+            assert explicitly_split(x, [jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, "x")))]) is want
+            assert not explicitly_split(jax.device_put(x, NamedSharding(mesh, PartitionSpec())))
 
 
 @pytest.mark.parametrize("G,D,H", [(2, 32, 6), (2, 64, 516), (1, 64, 2)])
