@@ -101,10 +101,9 @@ def test_bench_case_kernel_path_lowers_for_cuda(name, index, monkeypatch):
 
 
 # rows whose jaxfox path is XLA by design (no jaxfox kernel for that op), and rows whose small shapes are outside
-# their kernels' limits (the IQL kernel's and the IQN head's minimum widths; lowered with kernels at the default
-# shapes on the H200)
+# their kernels' limits (the IQN head's minimum width; lowered with kernels at the default shapes on the H200)
 _XLA_ROWS = ("ema_update", "cast_bf16")
-_XLA_SMALL = {"iql_pair": ("fwd+bwd",), "aux_step": ("iql_pair", "iqn")}
+_XLA_SMALL = {"aux_step": ("iqn",)}
 # ops whose default path is XLA and whose kernels have rows of their own (labels ending so), traced opted in
 _OPT_IN_ROWS = {"attention_pool": "kernel (opt-in)"}
 
