@@ -20,14 +20,15 @@ backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.g
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
 precision, as on the reference path); everything in the kernel is float32.
 
-The kernel path is opt-in (``JAXFOX_OPT_IN_KERNELS=iql``, read when a function is traced): on the GPUs measured
-it is about as fast as XLA at the benchmark shape, not faster (BENCHMARKS.md, thirty-fifth session: XLA's two
-GEMMs are most of both paths' time), so by default every device runs the reference. It covers any D, H a
+The kernel path is opt-in (``JAXFOX_OPT_IN_KERNELS=iql``, read when a function is traced): on an H100 it is
+about as fast as XLA at the benchmark shape, not faster (60.5 vs 62.3 us of kernels a step; BENCHMARKS.md,
+thirty-fifth session: XLA's two GEMMs are most of both paths' time), so by default every device runs the
+reference. It covers any D, H a
 multiple of 4 up to 512, G <= 65535 networks and 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
 other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap`` over the stacked
 networks: batched GEMMs). The kernel path is for one device: arguments split over Explicit mesh axes
-(``jax.make_mesh``) run the reference, which XLA partitions; inside ``jax.shard_map`` each device runs the
-kernel on its rows and the parameter gradients are summed over the mesh axes.
+(``jax.make_mesh``) run the reference, which XLA partitions; inside ``jax.shard_map`` each device computes the
+losses of its own rows, and the gradients of parameters replicated over the mesh axes are summed over them.
 """
 
 from __future__ import annotations
