@@ -237,11 +237,27 @@ def _batch_dims(batch):
     return [None if b is None or b is False else (0 if b is True else int(b)) for b in batch]
 
 
+def _split_axes(leaf):
+    """The mesh of ``leaf``'s type sharding (``jax.typeof(x).sharding``, which carries one only for meshes with
+    Explicit axes, ``jax.make_mesh``'s default) and, per dimension of its spec, the mesh axes splitting it with
+    their types ``((name, AxisType), ...)``; ``(None, [])`` without a mesh."""
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None, []
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    dims = []
+    for entry in sharding.spec:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        dims.append(tuple((a, types.get(a)) for a in axes))
+    return mesh, dims
+
+
 def _explicit_batch_axes(args, batch):
     """The explicit mesh axes that split the batch axis of the ``batch`` args, or None.
 
-    Read from the arguments' types (``jax.typeof(x).sharding``), which carry a sharding only for
-    meshes with Explicit axes (``jax.make_mesh``'s default); the first batch leaf that is split wins.
+    Read from the arguments' types (:func:`_split_axes`); the first batch leaf whose batch axis is split over
+    Explicit axes only wins.
     """
     from jax.sharding import AxisType
 
@@ -249,35 +265,20 @@ def _explicit_batch_axes(args, batch):
         if d is None:
             continue
         for leaf in jax.tree.leaves(arg):
-            sharding = getattr(jax.typeof(leaf), "sharding", None)
-            mesh = getattr(sharding, "mesh", None)
-            if mesh is None or mesh.empty or len(sharding.spec) <= d or sharding.spec[d] is None:
-                continue
-            axes = sharding.spec[d]
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            types = dict(zip(mesh.axis_names, mesh.axis_types))
-            if axes and all(types.get(a) == AxisType.Explicit for a in axes):
-                return mesh, axes
+            mesh, dims = _split_axes(leaf)
+            if len(dims) > d and dims[d] and all(t == AxisType.Explicit for _, t in dims[d]):
+                return mesh, tuple(a for a, _ in dims[d])
     return None
 
 
 def explicitly_split(*trees) -> bool:
     """True when a leaf of ``trees`` is split along any axis over an Explicit mesh axis (its type's sharding,
-    ``jax.typeof(x).sharding``: ``jax.make_mesh``'s default axis type). For ops whose kernel path is for one
-    device and not batch-parallel (a loss that is a mean over the batch), which then run their reference."""
+    :func:`_split_axes`). For ops whose kernel path is for one device and not batch-parallel (a loss that is a
+    mean over the batch), which then run their reference."""
     from jax.sharding import AxisType
 
-    for leaf in jax.tree.leaves(trees):
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is None or mesh.empty:
-            continue
-        types = dict(zip(mesh.axis_names, mesh.axis_types))
-        for entry in sharding.spec:
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            if any(types.get(a) == AxisType.Explicit for a in axes):
-                return True
-    return False
+    return any(t == AxisType.Explicit for leaf in jax.tree.leaves(trees) for axes in _split_axes(leaf)[1]
+               for _, t in axes)
 
 
 def _only_batch_split(args, dims, mesh, axes) -> bool:
