@@ -132,8 +132,7 @@ def _head_call(cfg, pre, b1, w2, b2, target):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _head(cfg, pre, b1, w2, b2, target):
-    rows, _, _ = _head_call(cfg, pre, b1, w2, b2, target)
-    return rows[:, 2 * b1.shape[1] + 1]
+    return _head_fwd(cfg, pre, b1, w2, b2, target)[0]
 
 
 def _head_fwd(cfg, pre, b1, w2, b2, target):
