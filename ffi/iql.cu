@@ -11,9 +11,10 @@
 // Grid (S, G) of 8 warps; CTA (s, g) walks over the 32-row tiles s, s + S, ...; a warp takes 4 consecutive rows
 // of a tile (all loaded before any is used), one row at a time across its 32 lanes (lane l: columns 4 l + 128 j,
 // float4 loads and stores). The warps' column sums meet in shared memory in warp order, each CTA writes its
-// partial row [db1 | dw2 | db2 | loss | 0 0], and LaunchReduceAxis0 sums the S partial rows of every network in
-// a fixed order in the same handler: no atomics, the bits depend on the shapes only (S is a function of them,
-// chosen by jaxfox/iql.py). All float32: the products (and their TF32 rounding) are XLA's.
+// partial row [db1 | dw2 | db2 | loss | 0 0], and iql_finish_kernel sums the S partial rows of every network in a
+// fixed order and writes db1, dw2, db2 and loss as separate results (no slicing left to XLA), in the same handler:
+// no atomics, the bits depend on the shapes only (S is a function of them, chosen by jaxfox/iql.py). All float32:
+// the products (and their TF32 rounding) are XLA's.
 // (It replaces a kernel that also ran both products on mma.sync, with the weight gradient accumulated in
 // registers: 0.89x XLA on the H200; XLA's GEMMs were faster than its products. BENCHMARKS.md, thirty-fifth session.)
 #include <cstdint>
@@ -127,17 +128,50 @@ __global__ void __launch_bounds__(kThreads, KH == 1 ? 3 : 1)
   }
 }
 
+// The S partial rows of every network summed in a fixed order (rows s = r, r + 32, ... by thread row r, then the 32
+// row sums in order r = 0 .. 31) and scattered into the outputs: db1 [G, H], dw2 [G, H], db2 [G] and loss [G].
+// A 32 x 32 block takes 32 consecutive columns of the [S, G P] partials (coalesced 128-byte rows).
+constexpr int kFinishRows = 32;
+__global__ void __launch_bounds__(32 * kFinishRows)
+    iql_finish_kernel(const float* __restrict__ part, int S, int G, int H, float* __restrict__ db1,
+                      float* __restrict__ dw2, float* __restrict__ db2, float* __restrict__ loss) {
+  __shared__ float red[kFinishRows][33];
+  const int P = 2 * H + 4, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
+  const int64_t C = static_cast<int64_t>(G) * P, col = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  float v = 0.f;
+  if (col < C) {
+#pragma unroll 4
+    for (int s = r; s < S; s += kFinishRows) v += part[s * C + col];
+  }
+  red[r][lane] = v;
+  __syncthreads();
+  if (r != 0 || col >= C) return;
+  float t = red[0][lane];
+#pragma unroll
+  for (int i = 1; i < kFinishRows; ++i) t += red[i][lane];
+  const int g = static_cast<int>(col / P), e = static_cast<int>(col % P);
+  if (e < H) {
+    db1[static_cast<int64_t>(g) * H + e] = t;
+  } else if (e < 2 * H) {
+    dw2[static_cast<int64_t>(g) * H + e - H] = t;
+  } else if (e == 2 * H) {
+    db2[g] = t;
+  } else if (e == 2 * H + 1) {
+    loss[g] = t;
+  }
+}
+
 // FFI target jaxfox_iql_head: (pre [B, G H] = obs [W1_1 | .. | W1_G] without the bias, target [B], b1 [G, H],
-// w2 [G, H], b2 [G], taus [G]) -> grads [G, P] (each network's reduced row [db1 | dw2 | db2 | loss | 0 0],
-// P = 2 H + 4), dpre [B, G H], dy [G, B], and the workspaces partials [S, G, P] and chunk partials
-// [chunks * G * P] (or [0]); attrs inv_batch = 1 / B and chunks (jaxfox.reduce.reduce_chunks(S, G P)). S (the
-// grid's splits of the 32-row tiles) is the partials' first dim.
+// w2 [G, H], b2 [G], taus [G]) -> db1 [G, H], dw2 [G, H], db2 [G], loss [G] (the column sums of every network,
+// the loss already divided by B), dpre [B, G H], dy [G, B], and the workspace partials [S, G, P] (P = 2 H + 4: each
+// block's row [db1 | dw2 | db2 | loss | 0 0]); attr inv_batch = 1 / B. S (the grid's splits of the 32-row tiles) is
+// the partials' first dim. Two launches: the head kernel and the fixed-order sum of its partial rows.
 ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buffer<ffi::F32> target,
                        ffi::Buffer<ffi::F32> b1, ffi::Buffer<ffi::F32> w2, ffi::Buffer<ffi::F32> b2,
-                       ffi::Buffer<ffi::F32> taus, float inv_batch, int64_t chunks,
-                       ffi::ResultBuffer<ffi::F32> grads, ffi::ResultBuffer<ffi::F32> dpre,
-                       ffi::ResultBuffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> part,
-                       ffi::ResultBuffer<ffi::F32> ws) {
+                       ffi::Buffer<ffi::F32> taus, float inv_batch, ffi::ResultBuffer<ffi::F32> db1,
+                       ffi::ResultBuffer<ffi::F32> dw2, ffi::ResultBuffer<ffi::F32> db2,
+                       ffi::ResultBuffer<ffi::F32> loss, ffi::ResultBuffer<ffi::F32> dpre,
+                       ffi::ResultBuffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> part) {
   ClearStaleCudaError();
   auto wrong = [](const char* what, const auto& buf) {
     return InvalidArgument(std::string("iql_head: ") + what + ", got " + DimsToString(buf.dimensions()));
@@ -156,7 +190,10 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
   if (!HasShape(w2, {G, H})) return wrong("w2 must be [G, H]", w2);
   if (!HasShape(b2, {G})) return wrong("b2 must be [G]", b2);
   if (!HasShape(taus, {G})) return wrong("taus must be [G]", taus);
-  if (!HasShape(*grads, {G, P})) return wrong("grads must be [G, 2 H + 4]", *grads);
+  if (!HasShape(*db1, {G, H})) return wrong("db1 must be [G, H]", *db1);
+  if (!HasShape(*dw2, {G, H})) return wrong("dw2 must be [G, H]", *dw2);
+  if (!HasShape(*db2, {G})) return wrong("db2 must be [G]", *db2);
+  if (!HasShape(*loss, {G})) return wrong("loss must be [G]", *loss);
   if (!HasShape(*dpre, {B, G * H})) return wrong("dpre must be [B, G H]", *dpre);
   if (!HasShape(*dy, {G, B})) return wrong("dy must be [G, B]", *dy);
   const int64_t tiles = CeilDiv(B, kHeadTile);
@@ -167,12 +204,6 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
   if (splits < 1 || splits > tiles) {
     return InvalidArgument("iql_head: the partials' first dim S must be in [1, tiles = " + std::to_string(tiles) +
                            "], got " + std::to_string(splits));
-  }
-  if (chunks < 1 || chunks > splits) return InvalidArgument("iql_head: chunks must be in [1, S]");
-  const int64_t need = chunks > 1 ? chunks * G * P : 0;
-  if (static_cast<int64_t>(ws->element_count()) < need) {
-    return InvalidArgument("iql_head: workspace has " + std::to_string(ws->element_count()) + " elements, needs " +
-                           std::to_string(need));
   }
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(G));
   auto launch = [&](auto kernel) {
@@ -188,8 +219,10 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
     default: launch(iql_head_kernel<4>); break;
   }
   JAXFOX_RETURN_IF_ERROR(LastCudaError("iql_head"));
-  return LaunchReduceAxis0(stream, part->typed_data(), 1, splits, G * P, chunks,
-                           chunks > 1 ? ws->typed_data() : nullptr, grads->typed_data());
+  iql_finish_kernel<<<static_cast<unsigned>(CeilDiv(G * P, 32)), 32 * kFinishRows, 0, stream>>>(
+      part->typed_data(), static_cast<int>(splits), static_cast<int>(G), static_cast<int>(H), db1->typed_data(),
+      dw2->typed_data(), db2->typed_data(), loss->typed_data());
+  return LastCudaError("iql_finish");
 }
 
 }  // namespace
@@ -205,10 +238,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iql_head, jaxfox::IqlHeadImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // b2 [G]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // taus [G]
                                   .Attr<float>("inv_batch")
-                                  .Attr<int64_t>("chunks")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // grads [G, 2 H + 4]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // db1 [G, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dw2 [G, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // db2 [G]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // loss [G]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dpre [B, G H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dy [G, B]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: partials [S, G, P]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: partials [S, G, P]
                               {xla::ffi::Traits::kCmdBufferCompatible});

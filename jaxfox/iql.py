@@ -11,8 +11,8 @@ D -> H -> 1 with a ReLU hidden layer (``jaxfox.models.aux.iql_init(key, D, hidde
 On CUDA the first layer's product of all G networks is ONE XLA GEMM, pre = obs [W1_1 | .. | W1_G] [B, G H],
 and one kernel (``ffi/iql.cu``, FFI target ``jaxfox_iql_head``) does everything after it in a single pass over
 pre: the bias, ReLU, the value, the residual, the expectile weight and loss, dv = d loss_g / d V_g, the gradient
-of the pre-activations dpre [B, G H] and the column sums for db1, dw2 and db2 (per-block partial rows summed by
-:func:`jaxfox.reduce_axis0`'s kernel in a fixed order: no atomics, bitwise reproducible). The weight gradient
+of the pre-activations dpre [B, G H] and the column sums for db1, dw2 and db2 (per-block partial rows, summed by a
+second kernel of the same call in a fixed order: no atomics, bitwise reproducible). The weight gradient
 dW1 = obs^T dpre (and d obs = dpre W1^T, when wanted) is XLA's GEMM again, by autodiff of the first product.
 The kernel computes the gradient in the forward call and keeps it as the ``custom_vjp`` residual, so the
 backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.grad``) still pays for it.
@@ -20,10 +20,10 @@ backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.g
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
 precision, as on the reference path); everything in the kernel is float32.
 
-The kernel path is opt-in (``JAXFOX_OPT_IN_KERNELS=iql``, read when a function is traced): on an H100 it is
-about as fast as XLA at the benchmark shape, not faster (60.5 vs 62.3 us of kernels a step; BENCHMARKS.md,
-thirty-fifth session: XLA's two GEMMs are most of both paths' time), so by default every device runs the
-reference. It covers any D, H a
+The kernel path is opt-in (``JAXFOX_OPT_IN_KERNELS=iql``, read when a function is traced). On an H100 at the
+benchmark shape (B = 16384, 2 x (256 -> 128 -> 1)) it is 1.08-1.10x XLA in ``python -m jaxfox.bench --ops
+iql_pair`` (62.98 vs 69.34 us a step; 50.9 vs 62.3 us of kernels, 7 launches against 10; BENCHMARKS.md,
+thirty-sixth session): XLA's two GEMMs are 31 us of it. It covers any D, H a
 multiple of 4 up to 512, G <= 65535 networks and 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
 other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap`` over the stacked
 networks: batched GEMMs). The kernel path is for one device: arguments split over Explicit mesh axes
@@ -43,7 +43,6 @@ import numpy as np
 from jaxfox._ffi import (cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, kernel_opted_in,
                          psum_to_match)
 from jaxfox._validate import check_array
-from jaxfox.reduce import reduce_chunks
 
 __all__ = ["iql_value_loss"]
 
@@ -103,10 +102,12 @@ def _reference(taus, params, obs, target):
 
 # ----------------------------------------------------------------------------------------------
 # Kernel path: XLA's GEMMs for pre = obs [W1_1 | .. | W1_G] and, by autodiff, dW1 = obs^T dpre (and d obs); one
-# kernel (ffi/iql.cu jaxfox_iql_head) for everything between them, returning per network the reduced row
-# [db1 (H) | dw2 (H) | db2 | loss | 0 0], dpre [B, G H] and dy [G, B].
+# FFI call (ffi/iql.cu jaxfox_iql_head: the head kernel and the fixed-order sum of its per-block rows) for
+# everything between them, returning db1 [G, H], dw2 [G, H], db2 [G], loss [G], dpre [B, G H] and dy [G, B].
 _HEAD_TILE = 32              # ffi/iql.cu kHeadTile
-_HEAD_CTAS = 528             # blocks aimed at (4 an SM of the H200), fixed: the summation order is the shapes'
+_HEAD_CTAS = 264             # blocks aimed at: 2 an SM of a 132-SM H100 / H200, one wave (the bench on an H100:
+                             # 62.98 us a step, 64.58 with 528 = 1.33 waves at 3 an SM, 66.65 with 132; BENCHMARKS.md,
+                             # thirty-sixth session); fixed: the summation order is a function of the shapes only
 
 
 def _head_splits(B, G):
@@ -116,18 +117,18 @@ def _head_splits(B, G):
 def _head_call(cfg, pre, b1, w2, b2, target):
     B = pre.shape[0]
     G, H = b1.shape
-    P = 2 * H + 4
     S = _head_splits(B, G)
-    chunks = reduce_chunks(S, G * P)
     f32 = jnp.float32
-    out = (jax.ShapeDtypeStruct((G, P), f32),                                  # grads (reduced partial rows)
+    out = (jax.ShapeDtypeStruct((G, H), f32),                                  # db1
+           jax.ShapeDtypeStruct((G, H), f32),                                  # dw2
+           jax.ShapeDtypeStruct((G,), f32),                                    # db2
+           jax.ShapeDtypeStruct((G,), f32),                                    # loss
            jax.ShapeDtypeStruct((B, G * H), f32),                              # dpre
            jax.ShapeDtypeStruct((G, B), f32),                                  # dy
-           jax.ShapeDtypeStruct((S, G, P), f32),                               # workspace: per-block partials
-           jax.ShapeDtypeStruct((chunks * G * P if chunks > 1 else 0,), f32))  # workspace: chunk partials
-    rows, dpre, dy, *_ = _ffi_call("jaxfox_iql_head", out, vmap_method="sequential")(
-        pre, target, b1, w2, b2, jnp.asarray(cfg.taus, f32), inv_batch=np.float32(1.0 / B), chunks=np.int64(chunks))
-    return rows, dpre, dy
+           jax.ShapeDtypeStruct((S, G, 2 * H + 4), f32))                       # workspace: per-block partial rows
+    *res, _ = _ffi_call("jaxfox_iql_head", out, vmap_method="sequential")(
+        pre, target, b1, w2, b2, jnp.asarray(cfg.taus, f32), inv_batch=np.float32(1.0 / B))
+    return tuple(res)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -136,15 +137,15 @@ def _head(cfg, pre, b1, w2, b2, target):
 
 
 def _head_fwd(cfg, pre, b1, w2, b2, target):
-    rows, dpre, dy = _head_call(cfg, pre, b1, w2, b2, target)
-    return rows[:, 2 * b1.shape[1] + 1], (rows, dpre, dy, (pre, b1, w2, b2, target))
+    db1, dw2, db2, loss, dpre, dy = _head_call(cfg, pre, b1, w2, b2, target)
+    return loss, (db1, dw2, db2, dpre, dy, (pre, b1, w2, b2, target))
 
 
 def _head_bwd(cfg, res, gl):
-    rows, dpre, dy, primals = res
-    H = (rows.shape[1] - 4) // 2
-    cts = (dpre * jnp.repeat(gl, H)[None, :], gl[:, None] * rows[:, :H], gl[:, None] * rows[:, H:2 * H],
-           gl * rows[:, 2 * H], jnp.sum(gl[:, None] * dy, axis=0))
+    db1, dw2, db2, dpre, dy, primals = res
+    H = db1.shape[1]
+    cts = (dpre * jnp.repeat(gl, H)[None, :], gl[:, None] * db1, gl[:, None] * dw2, gl * db2,
+           jnp.sum(gl[:, None] * dy, axis=0))
     return psum_to_match(cts, primals)  # inside shard_map: the replicated params' per-device partials summed
 
 
@@ -153,7 +154,11 @@ _head.defvjp(_head_fwd, _head_bwd)
 
 def _loss_head(cfg, w1, b1, w2, b2, obs, target):
     G, D, H = w1.shape
-    pre = jnp.dot(obs, jnp.transpose(w1, (1, 0, 2)).reshape(D, G * H))   # [B, G H]: one GEMM for the G networks
+    # one GEMM for the G networks, pre = obs [W1_1 | .. | W1_G] [B, G H], with the weights as [G H, D] (both operands
+    # contracted along their last axis: XLA's Hopper TF32 GEMM, 13.2 us against 14.9 us for a [D, G H] operand on
+    # the H100 at B = 16384, D = G H = 256; BENCHMARKS.md, thirty-sixth session)
+    w1t = jnp.swapaxes(w1, 1, 2).reshape(G * H, D)
+    pre = jax.lax.dot_general(obs, w1t, (((1,), (1,)), ((), ())))
     return _head(cfg, pre, b1, w2.reshape(G, H), b2.reshape(G), target)
 
 

@@ -7,9 +7,11 @@ Cases (G, D, H, B), each run once:
 (2, 256, 128, 37): the aux trainers' network shape, 2 tiles of 32 rows, the last one partial (5 rows);
 (1, 64, 64, 5): B < 32, one partial tile, H < 128 (lanes 16..31 hold no column);
 (3, 128, 64, 1000): G = 3 (grid 32 x 3), 32 tiles, the last one partial (8 rows);
-(2, 128, 128, 4097): 129 tiles over 129 blocks a network, the last tile 1 row, and the chunked reduction of the
-partial rows (reduce_chunks > 1);
-(2, 48, 132, 300): H = 132, two column chunks a lane (the second only on lane 0).
+(2, 128, 128, 4097): 129 tiles over 129 blocks a network, the last tile 1 row; the finish kernel sums 129 partial
+rows a column (its thread row 0 takes 5 of them, the others 4) over 2 x 260 columns (17 blocks, the last partial);
+(2, 48, 132, 300): H = 132, two column chunks a lane (the second only on lane 0);
+(1, 32, 512, 70): H = 512, the widest (four column chunks a lane), 1028 partial-row columns (the last finish block
+takes 4 of its 32).
 Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM, the kernel, and XLA's weight-gradient GEMM;
 on an H100 the sanitizer ran such programs, the thirty-fifth session), blocks until ready, and checks that every
 result is finite, and the values against the float64 NumPy oracle of tests/test_iql.py (rel err <= 5e-3 per
@@ -38,7 +40,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxfox  # noqa: E402
-from jaxfox.reduce import reduce_chunks  # noqa: E402
 
 TARGET = "jaxfox_iql_head"
 TOL = 5e-3
@@ -79,11 +80,9 @@ def main() -> int:
     if not jaxfox.kernels_available():
         print(f"jaxfox kernels unavailable: {jaxfox.kernels_unavailable_reason()}", file=sys.stderr)
         return 2
-    P = 2 * 128 + 4                           # ffi/iql.cu: a partial row [db1 | dw2 | db2 | loss | 0 0] at H = 128
-    S = min(-(-4097 // 32), 528 // 2)         # jaxfox/iql.py _head_splits: 129 blocks a network
-    assert reduce_chunks(S, 2 * P) > 1, "the last case no longer takes the chunked reduction"
     ok = True
-    for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300)):
+    for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300),
+                  (1, 32, 512, 70)):
         ok = case(*shape, seed=sum(shape)) and ok
     if not ok:
         print("FAILED")
