@@ -20,7 +20,7 @@ backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.g
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
 precision, as on the reference path); everything in the kernel is float32.
 
-The kernel path is opt-in (``JAXFOX_OPT_IN_KERNELS=iql``, read when a function is traced). On an H100 at the
+The kernel path runs by default where it applies (chosen when a function is traced). On an H100 at the
 benchmark shape (B = 16384, 2 x (256 -> 128 -> 1)) it is 1.08-1.10x XLA in ``python -m jaxfox.bench --ops
 iql_pair`` (62.98 vs 69.34 us a step; 50.9 vs 62.3 us of kernels, 7 launches against 10; BENCHMARKS.md,
 thirty-sixth session): XLA's two GEMMs are 31 us of it. It covers any D, H a
@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import (cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, kernel_opted_in,
-                         psum_to_match)
+from jaxfox._ffi import cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, psum_to_match
 from jaxfox._validate import check_array
 
 __all__ = ["iql_value_loss"]
@@ -211,7 +210,7 @@ def iql_value_loss(params, obs, target, expectiles):
     reference = functools.partial(_reference, taus)
     # split over Explicit mesh axes: the reference, which XLA partitions (the kernel path's loss is a mean over the
     # whole batch on one device, and its FFI results carry no sharding for the cotangents to match)
-    if not kernel_opted_in("iql") or not _kernel_supported(G, H, B) or explicitly_split(params, obs, target):
+    if not _kernel_supported(G, H, B) or explicitly_split(params, obs, target):
         return reference(params, obs, target)
 
     def kernel(params, obs, target):

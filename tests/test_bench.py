@@ -118,7 +118,7 @@ def test_opt_in_names_unknown_are_ignored_with_a_warning(monkeypatch):
         assert _ffi.kernel_opted_in("grn") is True
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per distinct set of unknown names
-        assert _ffi.kernel_opted_in("iql") is False
+        assert _ffi.kernel_opted_in("adamw") is False
     monkeypatch.setenv(_ffi.OPT_IN_ENV, "all")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

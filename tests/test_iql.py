@@ -4,8 +4,8 @@
   implementation of the module docstring's equations (``np_iql_loss`` / ``np_iql_grads``, the gradient written by
   hand with the chain rule and itself checked against central differences), and ``jax.test_util.check_grads``;
 * jit / vmap composition; the argument checks (raised before anything runs, naming the argument);
-* the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_head; opt-in: JAXFOX_OPT_IN_KERNELS=iql), traced
-  and lowered for CUDA on this CPU machine with the kernels forced on and opted in: one FFI call between XLA's
+* the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_head; on by default), traced
+  and lowered for CUDA on this CPU machine with the kernels forced on: one FFI call between XLA's
   first-layer GEMM and its weight-gradient GEMM, with which operand / result shapes and attributes, which
   products, and which shapes fall back to the reference; its Python wiring (the custom_vjp around the call)
   against the oracle with the FFI call's results computed in JAX.
@@ -531,14 +531,10 @@ def test_empty_batch(nothing_runs):
 
 def test_good_inputs_reach_a_path(nothing_runs, monkeypatch):
     """The fixture above does see a call when the arguments are fine (so the error tests can fail)."""
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iql")
     iql_value_loss(*_good(), (0.7, 0.9))
     assert nothing_runs == ["dispatch"]
     iql_value_loss(*typical_inputs(2, 32, 6, 5), 0.7)   # H = 6: no kernel, the reference directly
     assert nothing_runs == ["dispatch", "reference"]
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
-    iql_value_loss(*_good(), (0.7, 0.9))                # not opted in: the reference directly
-    assert nothing_runs == ["dispatch", "reference", "reference"]
 
 
 def test_exact_inputs_premise():
@@ -555,13 +551,6 @@ def test_exact_inputs_premise():
 # ----------------------------------------------------------------------------------------------
 # The CUDA kernel path, lowered for CUDA on this CPU machine (kernels forced on: conftest's kernels_on).
 TARGET = "jaxfox_iql_head"
-
-
-@pytest.fixture
-def kernels_on(kernels_on, monkeypatch):
-    # conftest's kernels_on, and the IQL kernel opted in (it is opt-in: not faster than XLA so far,
-    # jaxfox._ffi.OPT_IN)
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iql")
 
 
 def _cuda_text(f, *args):
@@ -762,18 +751,23 @@ def test_reference_and_no_kernels_lower_without_the_call(kernels_on):
     assert cuda_custom_calls(f, params, obs, target, cotangent(2)).keys() == {TARGET}
 
 
-@pytest.mark.parametrize("opt_in", ["", "grn", "grn,adamw", " iql ", "grn,iql", "all"])
-def test_kernel_is_opt_in(kernels_on, monkeypatch, opt_in):
-    """Without ``iql`` (or ``all``) in JAXFOX_OPT_IN_KERNELS the loss lowers to XLA code on CUDA too."""
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", opt_in)
+@pytest.mark.parametrize("opt_in", [None, "", "grn", "all"])
+def test_kernel_runs_by_default(kernels_on, monkeypatch, opt_in):
+    """The kernel is not opt-in (jaxfox._ffi.OPT_IN): whatever JAXFOX_OPT_IN_KERNELS names, a supported shape
+    lowers to the call on CUDA, and inside use_reference() to XLA code."""
+    if opt_in is None:
+        monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", opt_in)
     params, obs, target = typical_inputs(2, 256, 128, 37)
-    calls = cuda_custom_calls(_value_and_grad((0.7, 0.9), (0,)), params, obs, target, cotangent(2))
-    assert set(calls) == ({TARGET} if opt_in.strip() in ("iql", "grn,iql", "all") else set()), set(calls)
+    f = _value_and_grad((0.7, 0.9), (0,))
+    assert set(cuda_custom_calls(f, params, obs, target, cotangent(2))) == {TARGET}
+    with jaxfox.use_reference():
+        assert set(cuda_custom_calls(f, params, obs, target, cotangent(2))) == set()
 
 
 def test_kernels_unavailable_lowers_to_the_reference(monkeypatch):
     """Without kernels (this machine as it is), even a supported shape lowered for CUDA uses the reference."""
-    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iql")
     params, obs, target = typical_inputs(2, 256, 128, 37)
     text = _cuda_text(_value_and_grad((0.7, 0.9), (0,)), params, obs, target, cotangent(2))
     assert "custom_call @jaxfox" not in text and "stablehlo.dot_general" in text

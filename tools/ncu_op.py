@@ -6,7 +6,7 @@ profile holds one launch of each of the op's kernels.
         -o cfc python3 tools/ncu_op.py cfc [--B 32 --T 256 --I 48 --H 128 --U 128]
     ncu ... -k regex:iqn_head -o iqn python3 tools/ncu_op.py iqn [--B 16384 --N 32 --K 64 --H 128]
     JAXFOX_OPT_IN_KERNELS=grn ncu ... -k regex:grn_ -o grn python3 tools/ncu_op.py grn [--R 2048 --I 192 --H 32 --O 48]
-    JAXFOX_OPT_IN_KERNELS=iql ncu ... -k regex:iql_ -o iql python3 tools/ncu_op.py iql [--B 16384 --D 256 --H 128 --G 2]
+    ncu ... -k regex:iql_ -o iql python3 tools/ncu_op.py iql [--B 16384 --D 256 --H 128 --G 2]
     XLA_FLAGS=--xla_gpu_autotune_level=0 ncu ... -k regex:vsn_grn -o vsn \
         python3 tools/ncu_op.py vsn [--R 2048 --M 48 --D 4 --H 32 --O 32]
 

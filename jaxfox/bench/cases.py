@@ -338,8 +338,7 @@ def iql_pair_case(size: str) -> list[Variant]:
     value_and_grad of expectile(0.7) + expectile(0.9) losses (mean over B) w.r.t. both networks.
 
     jaxfox path: :func:`jaxfox.iql_value_loss`'s kernel path (one XLA GEMM for both first layers, one kernel for
-    the rest of the losses and their gradients, XLA's GEMM for dW1; opt-in, so the case opts in while tracing);
-    reference path: the same call under
+    the rest of the losses and their gradients, XLA's GEMM for dW1); reference path: the same call under
     ``use_reference()``, i.e. the networks ``jax.vmap``-ed over their stacked weights (batched GEMMs, TF32 at
     the default precision on the GPU), the baseline of issue 5.
     FLOPs: matmuls only, forward 2 B (D H + H) x 2 networks; forward+backward counted as 2x
@@ -359,8 +358,7 @@ def iql_pair_case(size: str) -> list[Variant]:
 
         def builder():
             def op(params, states, target):
-                with _opted_in("iql"):   # no effect on the reference path (use_reference() wins)
-                    return jax.value_and_grad(lambda p: jnp.sum(jaxfox.iql_value_loss(p, states, target, taus)))(params)
+                return jax.value_and_grad(lambda p: jnp.sum(jaxfox.iql_value_loss(p, states, target, taus)))(params)
 
             return op
 
