@@ -692,6 +692,41 @@ def test_kernel_path_wiring_with_emulated_target(monkeypatch, G, D, H, B):
             assert rel_err(leaf[i], want[k]) <= 1e-5, (i, k, rel_err(leaf[i], want[k]))
 
 
+def test_kernel_path_inside_shard_map(kernels_on, monkeypatch):
+    """jax.shard_map over 2 devices (params replicated, rows split, the losses pmean-ed): lowered for CUDA, one
+    kernel call per device program and all-reduces for the replicated parameters' gradients; on CPU, with the kernel
+    path forced and jaxfox_iql_head's results computed in JAX (_emulated_head_call), the values and the gradients
+    of params, obs and target equal the unsharded float64 oracle (each device's loss is the mean over its rows, so
+    the pmean over equal shards is the mean over the batch)."""
+    from jax.sharding import AxisType, PartitionSpec
+
+    G, D, H, B = 2, 6, 8, 16
+    taus, c = taus_for(G), cotangent(G)
+    params, obs, target = typical_inputs(G, D, H, B, seed=5)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+
+    def per_device(p, o, t):
+        return jax.lax.pmean(iql_value_loss(p, o, t, taus), "x")
+
+    def f(p, o, t):
+        sm = jax.shard_map(per_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("x"), PartitionSpec("x")),
+                           out_specs=PartitionSpec())
+        return jnp.sum(c * sm(p, o, t))
+
+    g = jax.value_and_grad(f, argnums=(0, 1, 2))
+    text = _cuda_text(g, params, obs, target)
+    assert text.count(f"custom_call @{TARGET}") == 1 and "stablehlo.all_reduce" in text
+    monkeypatch.setattr(iql_mod, "_head_call", _emulated_head_call)
+    monkeypatch.setattr(iql_mod, "dispatch", lambda kernel, reference, *args: kernel(*args))
+    with jax.default_matmul_precision("highest"):
+        loss, (gp, gobs, gt) = jax.jit(g)(params, obs, target)
+    np.testing.assert_allclose(loss, np.sum(np.asarray(c) * np_iql_loss(params, obs, target, taus)), rtol=1e-5)
+    want = np_iql_grads(params, obs, target, taus, c)
+    got = named(gp, gobs, gt)
+    for k in GRAD_KEYS:
+        assert rel_err(got[k], want[k]) <= 1e-5, (k, rel_err(got[k], want[k]))
+
+
 @pytest.mark.parametrize("argnums", [(0,), (0, 1, 2)], ids=str)
 @pytest.mark.parametrize("split", ["batch", "params"])
 def test_explicit_sharding_runs_the_reference(kernels_on, argnums, split):

@@ -444,7 +444,7 @@ def grouped_matmul_case(size: str) -> list[Variant]:
     """jaxfox.grouped_matmul over groups of mixed shapes (M, K, N), with biases: forward only and
     forward+backward (value_and_grad of sum_g sum(y_g * c_g) w.r.t. xs, ws, bs). float32, default
     matmul precision. Reference path: one jnp.dot per group. FLOPs: 2 M K N per group (x3 fwd+bwd).
-    Kernels opt-in (JAXFOX_OPT_IN_KERNELS=grouped_matmul), as for iql_pair.
+    Kernels opt-in (JAXFOX_OPT_IN_KERNELS=grouped_matmul).
     """
     import jaxfox
 
@@ -612,8 +612,8 @@ def aux_step_case(size: str) -> list[Variant]:
     expectiles 0.7/0.9), IQN head, attention trainer (T = 16, H = 64), each one full training step
     (forward, backward, fused AdamW), B = 16384 per trainer.
 
-    Rows (part): each trainer alone (``iql_pair``: jaxfox path = the fused :func:`jaxfox.iql_value_loss`
-    kernel when opted in, reference = the vmapped batched-GEMM baseline), ``together`` (``aux_step``: all
+    Rows (part): each trainer alone (``iql_pair``: jaxfox path = :func:`jaxfox.iql_value_loss`'s kernel path,
+    reference = the vmapped batched-GEMM baseline), ``together`` (``aux_step``: all
     three in one step, no data dependence between them), ``sequence`` (``aux_step_sequential``: the same with a data dependency
     chaining the trainers, so they cannot overlap; its reference path is "the same trainers run in
     sequence on the reference path"). After the rows a breakdown is printed: the sum of the separate

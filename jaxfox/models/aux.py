@@ -24,8 +24,8 @@ them, so that XLA can run them concurrently on the GPU (with
   f = Linear(H, H) -> ReLU -> Linear(H, 1). Loss :func:`jaxfox.quantile_huber_loss` between N online
   quantiles at tau ~ U[0, 1) and N' target samples r + discount * Z_target(s', tau'), tau' ~ U[0, 1),
   from an EMA target network (:func:`jaxfox.ema_update`, weight ``target_tau`` on the online params). The online
-  head and its loss are :func:`jaxfox.iqn_quantile_huber_loss` (one fused kernel for the loss and its gradient
-  when opted in, ``JAXFOX_OPT_IN_KERNELS=iqn_loss``), the target head :func:`jaxfox.iqn_head`.
+  head and its loss are :func:`jaxfox.iqn_quantile_huber_loss` (one fused kernel for the loss and its gradient),
+  the target head :func:`jaxfox.iqn_head`.
 * **Attention trainer**: :func:`jaxfox.attention_pool` over a sequence [B, T, H] followed by a linear
   head H -> 1, mean squared error against a scalar target y [B] (in the example: the scaled reward of
   the transition from the window of the last T observations).
@@ -263,8 +263,8 @@ def iqn_loss(params, target, batch, key, cfg: AuxConfig):
     taus_t = jax.random.uniform(k2, (B, cfg.n_target_quantiles), jnp.float32)
     z_next = iqn_quantiles(target, batch["next_obs"], taus_t, cfg.n_cos)
     y = jax.lax.stop_gradient(batch["reward"][:, None] + batch["discount"][:, None] * z_next)
-    # = quantile_huber_loss(iqn_quantiles(params, obs, taus), taus, y, kappa); with JAXFOX_OPT_IN_KERNELS=iqn_loss
-    # on CUDA its gradient is ONE kernel launch (no separate forward for z)
+    # = quantile_huber_loss(iqn_quantiles(params, obs, taus), taus, y, kappa); on CUDA its gradient is ONE kernel
+    # launch (no separate forward for z)
     return jaxfox.iqn_quantile_huber_loss(*_head_and_psi(params, batch["obs"]), taus, y, cfg.kappa)
 
 
