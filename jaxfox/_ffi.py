@@ -119,13 +119,14 @@ def kernels_unavailable_reason() -> str | None:
 
 
 OPT_IN_ENV = "JAXFOX_OPT_IN_KERNELS"
-OPT_IN = ("attention_pool", "grouped_matmul", "adamw", "grn")
+OPT_IN = ("attention_pool", "grouped_matmul", "adamw", "grn", "iql")
 """Ops whose kernels are slower than XLA on the H200 so far (BENCHMARKS.md), or slower at some sizes: they run the
 reference there unless named in ``JAXFOX_OPT_IN_KERNELS`` (comma-separated, or ``all``), read when a function is
 traced. (``adamw``: its kernel runs by default on parameter trees of many small leaves, :func:`jaxfox.fused_adamw`;
 the opt-in extends it to one flat buffer and big leaves. ``attention_pool``: its kernels; by default XLA runs the same
 factored form, which was faster. ``grn``: the single-GRN kernels of ``ffi/grn.cu``, also used by
-the VSN's selection GRN.)"""
+the VSN's selection GRN. ``iql``: the kernel path of :func:`jaxfox.iql_value_loss` runs by default for hidden widths
+H >= 128; the opt-in extends it to smaller H.)"""
 
 
 def opted_in_names() -> set[str]:

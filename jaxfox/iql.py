@@ -20,10 +20,12 @@ backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.g
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
 precision, as on the reference path); everything in the kernel is float32.
 
-The kernel path runs by default where it applies (chosen when a function is traced). On an H100 at the
-benchmark shape (B = 16384, 2 x (256 -> 128 -> 1)) it is 1.08-1.10x XLA in ``python -m jaxfox.bench --ops
-iql_pair`` (62.98 vs 69.34 us a step; 50.9 vs 62.3 us of kernels, 7 launches against 10; BENCHMARKS.md,
-thirty-sixth session): XLA's two GEMMs are 31 us of it. It covers any D, H a
+The kernel path runs by default for hidden widths H >= 128 (chosen when a function is traced); for smaller H it is
+opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --ops iql_pair`` at D = 256 with other
+shapes; BENCHMARKS.md, thirty-sixth session) it is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024,
+4096, 8192 and 16384 (62.98 vs 69.34 us a step at B = 16384; XLA's two GEMMs are 31 us of it). Below H = 128 a
+warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32, and
+0.88x at B = 256, D = 32, H = 16. It covers any D, H a
 multiple of 4 up to 512, G <= 65535 networks and 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
 other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap`` over the stacked
 networks: batched GEMMs). The kernel path is for one device: arguments split over Explicit mesh axes
@@ -40,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, psum_to_match
+from jaxfox._ffi import (cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, kernel_opted_in,
+                         psum_to_match)
 from jaxfox._validate import check_array
 
 __all__ = ["iql_value_loss"]
@@ -104,6 +107,7 @@ def _reference(taus, params, obs, target):
 # FFI call (ffi/iql.cu jaxfox_iql_head: the head kernel and the fixed-order sum of its per-block rows) for
 # everything between them, returning db1 [G, H], dw2 [G, H], db2 [G], loss [G], dpre [B, G H] and dy [G, B].
 _HEAD_TILE = 32              # ffi/iql.cu kHeadTile
+_DEFAULT_MIN_H = 128         # the kernel path by default from this hidden width on; below it, opt-in
 _HEAD_CTAS = 264             # blocks aimed at: 2 an SM of a 132-SM H100 / H200, one wave (the bench on an H100:
                              # 62.98 us a step, 64.58 with 528 = 1.33 waves at 3 an SM, 66.65 with 132; BENCHMARKS.md,
                              # thirty-sixth session); fixed: the summation order is a function of the shapes only
@@ -210,7 +214,8 @@ def iql_value_loss(params, obs, target, expectiles):
     reference = functools.partial(_reference, taus)
     # split over Explicit mesh axes: the reference, which XLA partitions (the kernel path's loss is a mean over the
     # whole batch on one device, and its FFI results carry no sharding for the cotangents to match)
-    if not _kernel_supported(G, H, B) or explicitly_split(params, obs, target):
+    if (not _kernel_supported(G, H, B) or (H < _DEFAULT_MIN_H and not kernel_opted_in("iql"))
+            or explicitly_split(params, obs, target)):
         return reference(params, obs, target)
 
     def kernel(params, obs, target):

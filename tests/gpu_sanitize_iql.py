@@ -30,6 +30,9 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # one cudaMalloc per buffer (not XLA's pool), so that memcheck sees a read or write just past a buffer's end
 os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+# the kernel path is opt-in below H = 128 (jaxfox.iql._DEFAULT_MIN_H): add iql to what JAXFOX_OPT_IN_KERNELS names
+_names = [n for n in os.environ.get("JAXFOX_OPT_IN_KERNELS", "").split(",") if n.strip()]
+os.environ["JAXFOX_OPT_IN_KERNELS"] = ",".join(_names + ["iql"])
 if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 

@@ -1,7 +1,8 @@
 """GPU tests of the IQL value loss's kernel path (ffi/iql.cu: jaxfox_iql_head), ``pytest -m gpu`` on the H200.
 
 Every test is marked ``gpu``; the module is skipped when the kernels are not available (no CUDA device,
-extension not built, JAXFOX_DISABLE_KERNELS set). The kernel runs by default. The kernel path is compared with the float64 NumPy oracle of
+extension not built, JAXFOX_DISABLE_KERNELS set). The kernel runs by default for H >= 128 and is opt-in below: the
+module's tests run with JAXFOX_OPT_IN_KERNELS=iql (conftest.module_opt_in). The kernel path is compared with the float64 NumPy oracle of
 test_iql.py (``np_iql_loss`` / ``np_iql_grads``, written from the equations) and with the pure-JAX reference path
 on the same GPU (traced inside ``jaxfox.use_reference()``), both at the default matmul precision: the two
 products (obs W1 and obs^T dpre, and d obs) are XLA's float32 GEMMs on both paths, TF32 there (10-bit mantissa,
@@ -46,7 +47,7 @@ import pytest
 import jaxfox
 from jaxfox import iql_value_loss
 
-from conftest import assert_command_buffers_identical, rel_err
+from conftest import assert_command_buffers_identical, module_opt_in, rel_err
 from test_iql import (GRAD_KEYS, assert_far_from_kinks, cotangent, exact_inputs, named, np_iql_grads, np_iql_loss,
                       preactivations, taus_for, typical_inputs)
 
@@ -55,6 +56,8 @@ if not jaxfox.kernels_available():
                 allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
+_opt_in = module_opt_in("iql")  # the kernel path is opt-in below H = 128 (jaxfox.iql._DEFAULT_MIN_H), and most
+                                # shapes here are smaller; the command-buffer children inherit it
 
 TARGET = "jaxfox_iql_head"
 TOL = 5e-3                          # TF32 products without mask flips: norm-wise relative error per array

@@ -4,8 +4,8 @@
   implementation of the module docstring's equations (``np_iql_loss`` / ``np_iql_grads``, the gradient written by
   hand with the chain rule and itself checked against central differences), and ``jax.test_util.check_grads``;
 * jit / vmap composition; the argument checks (raised before anything runs, naming the argument);
-* the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_head; on by default), traced
-  and lowered for CUDA on this CPU machine with the kernels forced on: one FFI call between XLA's
+* the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_head; by default for H >= 128, opt-in below:
+  JAXFOX_OPT_IN_KERNELS=iql), traced and lowered for CUDA on this CPU machine with the kernels forced on and opted in: one FFI call between XLA's
   first-layer GEMM and its weight-gradient GEMM, with which operand / result shapes and attributes, which
   products, and which shapes fall back to the reference; its Python wiring (the custom_vjp around the call)
   against the oracle with the FFI call's results computed in JAX.
@@ -531,10 +531,16 @@ def test_empty_batch(nothing_runs):
 
 def test_good_inputs_reach_a_path(nothing_runs, monkeypatch):
     """The fixture above does see a call when the arguments are fine (so the error tests can fail)."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iql")
     iql_value_loss(*_good(), (0.7, 0.9))
     assert nothing_runs == ["dispatch"]
     iql_value_loss(*typical_inputs(2, 32, 6, 5), 0.7)   # H = 6: no kernel, the reference directly
     assert nothing_runs == ["dispatch", "reference"]
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
+    iql_value_loss(*_good(), (0.7, 0.9))                # H = 64 not opted in: the reference directly
+    assert nothing_runs == ["dispatch", "reference", "reference"]
+    iql_value_loss(*typical_inputs(2, 16, 128, 5), 0.7)  # H = 128: the kernel path by default
+    assert nothing_runs == ["dispatch", "reference", "reference", "dispatch"]
 
 
 def test_exact_inputs_premise():
@@ -551,6 +557,13 @@ def test_exact_inputs_premise():
 # ----------------------------------------------------------------------------------------------
 # The CUDA kernel path, lowered for CUDA on this CPU machine (kernels forced on: conftest's kernels_on).
 TARGET = "jaxfox_iql_head"
+
+
+@pytest.fixture
+def kernels_on(kernels_on, monkeypatch):
+    # conftest's kernels_on, and the IQL kernel opted in (the kernel path is opt-in below H = 128, and most shapes
+    # here are smaller)
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "iql")
 
 
 def _cuda_text(f, *args):
@@ -786,17 +799,19 @@ def test_reference_and_no_kernels_lower_without_the_call(kernels_on):
     assert cuda_custom_calls(f, params, obs, target, cotangent(2)).keys() == {TARGET}
 
 
-@pytest.mark.parametrize("opt_in", [None, "", "grn", "all"])
-def test_kernel_runs_by_default(kernels_on, monkeypatch, opt_in):
-    """The kernel is not opt-in (jaxfox._ffi.OPT_IN): whatever JAXFOX_OPT_IN_KERNELS names, a supported shape
-    lowers to the call on CUDA, and inside use_reference() to XLA code."""
+@pytest.mark.parametrize("opt_in", [None, "", "grn", " iql ", "grn,iql", "all"])
+@pytest.mark.parametrize("H", [128, 132, 512, 64, 4])
+def test_kernel_by_default_from_h_128_opt_in_below(kernels_on, monkeypatch, opt_in, H):
+    """H >= 128: the call on CUDA whatever JAXFOX_OPT_IN_KERNELS names; H < 128: only with ``iql`` (or ``all``)
+    named, else XLA code. Inside use_reference(): XLA code always."""
     if opt_in is None:
         monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
     else:
         monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", opt_in)
-    params, obs, target = typical_inputs(2, 256, 128, 37)
+    params, obs, target = typical_inputs(2, 32, H, 37)
     f = _value_and_grad((0.7, 0.9), (0,))
-    assert set(cuda_custom_calls(f, params, obs, target, cotangent(2))) == {TARGET}
+    kernel = H >= 128 or (opt_in or "").strip() in ("iql", "grn,iql", "all")
+    assert set(cuda_custom_calls(f, params, obs, target, cotangent(2))) == ({TARGET} if kernel else set())
     with jaxfox.use_reference():
         assert set(cuda_custom_calls(f, params, obs, target, cotangent(2))) == set()
 

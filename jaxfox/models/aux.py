@@ -12,7 +12,8 @@ them, so that XLA can run them concurrently on the GPU (with
   q is the target value of the data action (in ``examples/train_aux.py``: the DQN target network's
   Q(s, a_data), averaged over branches). With ``iql_impl="fused"`` (default) the losses of all G networks
   and their parameter gradients are :func:`jaxfox.iql_value_loss` (one hidden layer: one GEMM for every first
-  layer, one kernel for the rest; deeper networks fall back to "vmap"). With ``iql_impl="grouped"`` every layer of BOTH
+  layer, one kernel for the rest, by default for hidden widths >= 128, else with ``JAXFOX_OPT_IN_KERNELS=iql``;
+  deeper networks fall back to "vmap"). With ``iql_impl="grouped"`` every layer of BOTH
   networks is ONE :func:`jaxfox.grouped_matmul_stacked` call (groups = networks, stacked weights, the
   first layer's shared input passed once; forward and backward grouped; ``"grouped_list"`` uses the list
   form :func:`jaxfox.grouped_matmul`);
