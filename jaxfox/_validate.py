@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_array", "is_concrete", "positive_float32", "positive_int", "real_scalar"]
+__all__ = ["check_array", "in_open_unit_float32", "is_concrete", "positive_float32", "positive_int", "real_scalar"]
 
 
 def is_concrete(x) -> bool:
@@ -96,3 +96,13 @@ def positive_float32(name, value):
     if not (math.isfinite(v32) and v32 > 0.0):
         raise ValueError(f"{name} must be a positive finite float32 (about 1.4e-45 to 3.4e38), got {value!r}")
     return v
+
+
+def in_open_unit_float32(value) -> bool:
+    """True when every element of ``value`` (a concrete real number or array) is in (0, 1) both as given and after
+    rounding to float32, the precision the ops compute in: an expectile of 1 - 1e-9 (or 1e-50) would otherwise become
+    exactly 1.0 (or 0.0) there, silently turning the asymmetric loss one-sided. NaN is not in (0, 1)."""
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        v = np.asarray(value, np.float64)
+        v32 = v.astype(np.float32)
+    return bool(np.all((v > 0) & (v < 1) & (v32 > 0) & (v32 < 1)))

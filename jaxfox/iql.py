@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxfox._ffi import (cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, kernel_opted_in,
                          psum_to_match)
-from jaxfox._validate import check_array
+from jaxfox._validate import check_array, in_open_unit_float32
 
 __all__ = ["iql_value_loss"]
 
@@ -82,8 +82,8 @@ def _check_expectiles(expectiles, G):
         raise ValueError(f"expectiles must have one value per network (G = {G}), got {len(vals)}")
     out = []
     for t in vals:
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not 0.0 < float(t) < 1.0:
-            raise ValueError(f"expectiles must be floats in (0, 1), got {expectiles!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not in_open_unit_float32(t):
+            raise ValueError(f"expectiles must be floats in (0, 1), also when rounded to float32, got {expectiles!r}")
         out.append(float(t))
     return tuple(out)
 
@@ -202,7 +202,8 @@ def iql_value_loss(params, obs, target, expectiles):
     Raises:
       TypeError: a parameter, obs or target is not a float32 array; expectiles is an array (it must be static).
       ValueError: params is not of the form above, a shape does not match (the message names the argument, the
-        expected and the actual shape), expectiles has not G entries or one is outside (0, 1), or B = 0.
+        expected and the actual shape), expectiles has not G entries or one is outside (0, 1) (or rounds to 0 or 1
+        in float32), or B = 0.
     """
     G, D, H = _check_params(params)
     check_array("obs", obs, (None, D))

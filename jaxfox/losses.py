@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._validate import is_concrete, positive_float32, positive_int, real_scalar as _real_scalar
+from jaxfox._validate import (in_open_unit_float32, is_concrete, positive_float32, positive_int,
+                              real_scalar as _real_scalar)
 
 __all__ = ["expectile_loss", "quantile_huber_loss", "quantile_embedding", "cql_penalty"]
 
@@ -68,13 +69,13 @@ def expectile_loss(diff, expectile):
 
     Raises:
       TypeError: diff is not a float32/bfloat16 array; expectile is neither a number nor a float array.
-      ValueError: a numeric expectile is outside (0, 1) or NaN; an array expectile's shape is not []
-        or [diff.shape[-1]].
+      ValueError: a numeric expectile is outside (0, 1), NaN, or rounds to 0 or 1 in float32 (1 - 1e-9); an array
+        expectile's shape is not [] or [diff.shape[-1]].
     """
     _check_float_array("diff", diff)
     if _is_python_number(expectile):
-        if not 0.0 < float(expectile) < 1.0:
-            raise ValueError(f"expectile must be in (0, 1), got {expectile!r}")
+        if not in_open_unit_float32(expectile):
+            raise ValueError(f"expectile must be in (0, 1), also when rounded to float32, got {expectile!r}")
         tau = jnp.float32(expectile)
     elif hasattr(expectile, "shape") and hasattr(expectile, "dtype"):
         if not jnp.issubdtype(expectile.dtype, jnp.floating):
@@ -84,9 +85,9 @@ def expectile_loss(diff, expectile):
             raise ValueError(f"expectile must have shape [] or [K] = [diff.shape[-1]] = "
                              f"{list(diff.shape[-1:])}, got {tuple(expectile.shape)}")
         if is_concrete(expectile):
-            e = np.asarray(expectile, np.float64)
-            if not np.all((e > 0) & (e < 1)):
-                raise ValueError(f"expectile must be in (0, 1), got {e.tolist()}")
+            if not in_open_unit_float32(expectile):
+                raise ValueError(f"expectile must be in (0, 1), also when rounded to float32, got "
+                                 f"{np.asarray(expectile, np.float64).tolist()}")
         tau = expectile.astype(jnp.float32)
     else:
         raise TypeError(f"expectile must be a float or a float array, got {type(expectile).__name__}")

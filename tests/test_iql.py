@@ -504,6 +504,8 @@ EXPECTILE_ERRORS = [  # (expectiles for G = 2, exception, words)
     (float("nan"), ValueError, ["expectiles", "(0, 1)"]),
     ((0.7, 1.0), ValueError, ["expectiles", "(0, 1)"]),
     ((0.7, 0.0), ValueError, ["expectiles", "(0, 1)"]),
+    ((0.7, 1.0 - 1e-9), ValueError, ["expectiles", "(0, 1)", "float32"]),   # 1.0 in float32
+    (1e-50, ValueError, ["expectiles", "(0, 1)", "float32"]),                # 0.0 in float32
     (True, ValueError, ["expectiles"]),
     ((0.7, "0.9"), ValueError, ["expectiles"]),
     (jnp.asarray([0.7, 0.9]), TypeError, ["expectiles", "static"]),

@@ -90,6 +90,14 @@ def test_expectile_errors():
         jaxfox.expectile_loss(u, 1.0)
     with pytest.raises(ValueError, match="expectile"):
         jaxfox.expectile_loss(u, 0.0)
+    # in (0, 1) as float64 but 1.0 / 0.0 in float32 (the loss would silently become one-sided)
+    for tau in (1.0 - 1e-9, 1e-50, np.float64(1.0 - 1e-9)):
+        assert np.float32(tau) in (0.0, 1.0)
+        with pytest.raises(ValueError, match=r"expectile must be in \(0, 1\), also when rounded to float32"):
+            jaxfox.expectile_loss(u, tau)
+    with pytest.raises(ValueError, match="rounded to float32"):
+        jaxfox.expectile_loss(u, np.asarray([0.5, 1.0 - 1e-9]))
+    np.testing.assert_allclose(jaxfox.expectile_loss(u + 1.0, 1.0 - 1e-7), 1.0 - 1e-7, rtol=1e-6)  # float32 < 1
     with pytest.raises(ValueError, match=r"expectile must have shape .*\(3,\)"):
         jaxfox.expectile_loss(u, jnp.full((3,), 0.5, jnp.float32))
     with pytest.raises(ValueError, match="expectile"):

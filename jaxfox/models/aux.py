@@ -53,7 +53,7 @@ import numpy as np
 import optax
 
 import jaxfox
-from jaxfox._validate import positive_float32, positive_int, real_scalar
+from jaxfox._validate import in_open_unit_float32, positive_float32, positive_int, real_scalar
 
 __all__ = ["AuxConfig", "TrainerState", "AuxState", "AuxTrainers", "make_aux", "iql_init", "iql_values",
            "iqn_init", "iqn_quantiles", "attention_init", "attention_predict", "synthetic_batch"]
@@ -119,8 +119,10 @@ def _check_config(cfg: AuxConfig):
     for i, h in enumerate(cfg.iql_hidden):
         positive_int(f"config.iql_hidden[{i}]", h)
     if not isinstance(cfg.expectiles, (tuple, list)) or len(cfg.expectiles) < 1 or not all(
-            isinstance(t, (int, float, np.floating)) and not isinstance(t, bool) and 0 < t < 1 for t in cfg.expectiles):
-        raise ValueError(f"config.expectiles must be a non-empty tuple of floats in (0, 1), got {cfg.expectiles!r}")
+            isinstance(t, (int, float, np.floating)) and not isinstance(t, bool) and in_open_unit_float32(t)
+            for t in cfg.expectiles):
+        raise ValueError(f"config.expectiles must be a non-empty tuple of floats in (0, 1) (also when rounded to "
+                         f"float32), got {cfg.expectiles!r}")
     if cfg.iql_impl not in ("fused", "grouped", "grouped_list", "vmap"):
         raise ValueError(f"config.iql_impl must be 'fused', 'grouped', 'grouped_list' or 'vmap', got {cfg.iql_impl!r}")
     if cfg.seq_dim % cfg.num_heads:
