@@ -25,8 +25,8 @@ opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --o
 shapes; BENCHMARKS.md, thirty-sixth session) it is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024,
 4096, 8192 and 16384 (62.98 vs 69.34 us a step at B = 16384; XLA's two GEMMs are 31 us of it). Below H = 128 a
 warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32, and
-0.88x at B = 256, D = 32, H = 16. It covers any D, H a
-multiple of 4 up to 512, G <= 65535 networks and 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
+0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple of 4 up to 512, G <= 65535 networks and
+1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
 other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap`` over the stacked
 networks: batched GEMMs). The kernel path is for one device: arguments split over Explicit mesh axes
 (``jax.make_mesh``) run the reference, which XLA partitions; inside ``jax.shard_map`` each device computes the
