@@ -42,48 +42,55 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kStageUnroll = 8;  // loads each thread keeps in flight while staging rows into shared memory
 
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ void Store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void Store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 
-// Shared-memory layout in floats for G samples of T steps (R = G T rows), n heads, H features. Row strides
-// are odd (H | 1, R | 1) so that threads reading one column of different rows hit different banks.
+// Group i of four consecutive elements (16-byte aligned for float, 8-byte for bfloat16), as floats.
+__device__ __forceinline__ float4 Load4(const float* __restrict__ p, int i) {
+  return __ldg(reinterpret_cast<const float4*>(p) + i);
+}
+__device__ __forceinline__ float4 Load4(const __nv_bfloat16* __restrict__ p, int i) {
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p) + i);
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void Store4(float* p, int i, float4 v) { reinterpret_cast<float4*>(p)[i] = v; }
+__device__ __forceinline__ void Store4(__nv_bfloat16* p, int i, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 raw;
+  raw.x = *reinterpret_cast<const uint32_t*>(&lo);
+  raw.y = *reinterpret_cast<const uint32_t*>(&hi);
+  reinterpret_cast<uint2*>(p)[i] = raw;
+}
+
+// Row stride (floats) of the [rows][H] arrays in shared memory. H % 4 == 0: a multiple of 4 (16-byte rows for float4
+// accesses) that is 4 (mod 8), so the 8 rows a warp's lanes read at once (8 rows x 4 heads in the score products)
+// start in distinct banks. Otherwise odd (scalar accesses; threads reading one column of different rows hit
+// different banks). jaxfox/attention.py _smem_bytes computes the same sizes.
+__host__ __device__ inline int RowStride(int H) { return H % 4 != 0 ? (H | 1) : (H % 8 == 0 ? H + 4 : H); }
+__host__ __device__ inline int64_t Round4(int64_t x) { return (x + 3) & ~int64_t{3}; }
+
+// Shared-memory layout in floats for G samples of T steps (R = G T rows), n heads, H features; every region starts
+// 16-byte aligned.
 struct Layout {
   int hp, rq;
   int64_t x, u, a, s, dc, m, total;
   __host__ __device__ Layout(int G, int T, int H, int n) {
     const int R = G * T;
-    hp = H | 1;
+    hp = RowStride(H);
     rq = R | 1;
-    x = 0;                               // hs rows [R][hp]
-    u = x + int64_t{R} * hp;             // u [n][hp]
-    a = u + int64_t{n} * hp;             // alpha [n][rq]
-    s = a + int64_t{n} * rq;             // scores / exp / alpha (fwd); a, then ds (bwd) [n][rq]
-    dc = s + int64_t{n} * rq;            // dc [G n][hp] (bwd)
-    m = dc + int64_t{G} * n * hp;        // valid flags [R] (fwd)
+    x = 0;                                // hs rows [R][hp]
+    u = x + int64_t{R} * hp;              // u [n][hp]
+    a = u + int64_t{n} * hp;              // alpha [n][rq]
+    s = a + Round4(int64_t{n} * rq);      // scores / exp / alpha (fwd); a, then ds (bwd) [n][rq]
+    dc = s + Round4(int64_t{n} * rq);     // dc [G n][hp] (bwd)
+    m = dc + int64_t{G} * n * hp;         // valid flags [R] (fwd)
     total = m + R;
-  }
-};
-
-// Walks the items i = threadIdx.x, + kThreads, ... of a [rows][W] array as (row, col) = (i / W, i % W), with
-// two divisions in all instead of one per item.
-struct Walk {
-  int row, col, drow, dcol, W;
-  __device__ __forceinline__ explicit Walk(int W_) : W(W_) {
-    row = static_cast<int>(threadIdx.x) / W;
-    col = static_cast<int>(threadIdx.x) - row * W;
-    drow = kThreads / W;
-    dcol = kThreads - drow * W;
-  }
-  __device__ __forceinline__ void Next() {
-    row += drow;
-    col += dcol;
-    if (col >= W) {
-      col -= W;
-      ++row;
-    }
   }
 };
 
@@ -99,18 +106,88 @@ struct BlockSamples {
   }
 };
 
-// Stages the block's hs rows [R][H] and u (given as [H, n]) as [n][hp].
+// Copies R rows of W elements (global, row-major, converted to float) into dst [R][stride] (shared), each thread
+// issuing kStageUnroll loads before it stores any (the rows' loads in flight at once instead of one after the
+// other). Groups of four elements when W % 4 == 0 (src rows 16-/8-byte aligned and stride % 4 == 0 then).
 template <typename In>
-__device__ __forceinline__ void StageRowsAndU(float* sm, const Layout& L, const In* __restrict__ hs,
-                                              const float* __restrict__ u, int R, int H, int n) {
-  const int tid = threadIdx.x;
-  for (Walk w(H); w.row < R; w.Next()) {
-    sm[L.x + int64_t{w.row} * L.hp + w.col] = ToFloat(hs[int64_t{w.row} * H + w.col]);
+__device__ __forceinline__ void StageRows(float* dst, int stride, const In* __restrict__ src, int R, int W) {
+  if (W % 4 == 0) {
+    const int W4 = W / 4, total = R * W4;
+    for (int base = threadIdx.x; base < total; base += kThreads * kStageUnroll) {
+      float4 v[kStageUnroll];
+#pragma unroll
+      for (int k = 0; k < kStageUnroll; ++k) {
+        const int i = base + k * kThreads;
+        if (i < total) v[k] = Load4(src, i);
+      }
+#pragma unroll
+      for (int k = 0; k < kStageUnroll; ++k) {
+        const int i = base + k * kThreads;
+        if (i < total) {
+          const int r = i / W4;
+          *reinterpret_cast<float4*>(dst + r * stride + 4 * (i - r * W4)) = v[k];
+        }
+      }
+    }
+  } else {
+    const int total = R * W;
+    for (int base = threadIdx.x; base < total; base += kThreads * kStageUnroll) {
+      float v[kStageUnroll];
+#pragma unroll
+      for (int k = 0; k < kStageUnroll; ++k) {
+        const int i = base + k * kThreads;
+        if (i < total) v[k] = ToFloat(src[i]);
+      }
+#pragma unroll
+      for (int k = 0; k < kStageUnroll; ++k) {
+        const int i = base + k * kThreads;
+        if (i < total) {
+          const int r = i / W;
+          dst[r * stride + (i - r * W)] = v[k];
+        }
+      }
+    }
   }
-  for (int e = tid; e < n * H; e += kThreads) {
+}
+
+// u (global [H, n]) as [n][hp] in shared memory.
+__device__ __forceinline__ void StageU(float* dst, int hp, const float* __restrict__ u, int H, int n) {
+  for (int e = threadIdx.x; e < n * H; e += kThreads) {
     const int h = e / n;
-    sm[L.u + int64_t{e - h * n} * L.hp + h] = u[e];
+    dst[(e - h * n) * hp + h] = __ldg(u + e);
   }
+}
+
+// a . b over W elements of two shared-memory rows (16-byte aligned when W % 4 == 0), in a fixed order: element k
+// goes to partial sum k mod 4 (ascending k), then (p0 + p1) + (p2 + p3).
+__device__ __forceinline__ float RowDot(const float* a, const float* b, int W) {
+  float p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
+  const int W4 = W / 4;
+  if (W % 4 == 0) {
+    const float4* a4 = reinterpret_cast<const float4*>(a);
+    const float4* b4 = reinterpret_cast<const float4*>(b);
+#pragma unroll 4
+    for (int k = 0; k < W4; ++k) {
+      const float4 x = a4[k], y = b4[k];
+      p0 = fmaf(x.x, y.x, p0);
+      p1 = fmaf(x.y, y.y, p1);
+      p2 = fmaf(x.z, y.z, p2);
+      p3 = fmaf(x.w, y.w, p3);
+    }
+  } else {
+#pragma unroll 2
+    for (int k = 0; k < W4; ++k) {
+      p0 = fmaf(a[4 * k], b[4 * k], p0);
+      p1 = fmaf(a[4 * k + 1], b[4 * k + 1], p1);
+      p2 = fmaf(a[4 * k + 2], b[4 * k + 2], p2);
+      p3 = fmaf(a[4 * k + 3], b[4 * k + 3], p3);
+    }
+    const int k = 4 * W4;
+    if (k < W) p0 = fmaf(a[k], b[k], p0);
+    if (k + 1 < W) p1 = fmaf(a[k + 1], b[k + 1], p1);
+    if (k + 2 < W) p2 = fmaf(a[k + 2], b[k + 2], p2);
+  }
+  return (p0 + p1) + (p2 + p3);
 }
 
 // Forward: (hs [V, B, T, H], mask [V, B, T], u [V, H, n]) -> alpha [V, B, n, T], c [V, B, n, H].
@@ -118,7 +195,7 @@ template <typename In>
 __global__ void __launch_bounds__(kThreads) attention_pool_fwd_kernel(
     const In* __restrict__ hs, const bool* __restrict__ mask, const float* __restrict__ u, int64_t B, int T, int H,
     int n, int G, float* __restrict__ alpha, float* __restrict__ c) {
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
   const Layout L(G, T, H, n);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const BlockSamples blk(B, T, G);
@@ -126,18 +203,15 @@ __global__ void __launch_bounds__(kThreads) attention_pool_fwd_kernel(
   const int64_t b0 = blk.b0;
 
   // (a) stage hs rows, u and the valid flags
-  StageRowsAndU(sm, L, hs + b0 * T * H, u + int64_t{blockIdx.y} * H * n, R, H, n);
   for (int r = tid; r < R; r += kThreads) sm[L.m + r] = mask[b0 * T + r] ? 1.f : 0.f;
+  StageU(sm + L.u, L.hp, u + int64_t{blockIdx.y} * H * n, H, n);
+  StageRows(sm + L.x, L.hp, hs + b0 * T * H, R, H);
   __syncthreads();
 
   // (b) scores s[j][r] = h_r . u_j
   for (int i = tid; i < R * n; i += kThreads) {
     const int r = i / n, j = i - r * n;
-    const float* x = sm + L.x + int64_t{r} * L.hp;
-    const float* uj = sm + L.u + int64_t{j} * L.hp;
-    float acc = 0.f;
-    for (int h = 0; h < H; ++h) acc = fmaf(x[h], uj[h], acc);
-    sm[L.s + int64_t{j} * L.rq + r] = acc;
+    sm[L.s + int64_t{j} * L.rq + r] = RowDot(sm + L.x + int64_t{r} * L.hp, sm + L.u + int64_t{j} * L.hp, H);
   }
   __syncthreads();
 
@@ -174,7 +248,8 @@ __global__ void __launch_bounds__(kThreads) attention_pool_fwd_kernel(
     const float* a = sm + L.s + int64_t{j} * L.rq + g * T;
     const float* x = sm + L.x + int64_t{g} * T * L.hp + h;
     float acc = 0.f;
-    for (int t = 0; t < T; ++t) acc = fmaf(a[t], x[int64_t{t} * L.hp], acc);
+#pragma unroll 8
+    for (int t = 0; t < T; ++t) acc = fmaf(a[t], x[t * L.hp], acc);
     c[b0 * n * H + i] = acc;  // i = (g n + j) H + h
   }
 }
@@ -186,15 +261,14 @@ __global__ void __launch_bounds__(kThreads) attention_pool_bwd_kernel(
     const In* __restrict__ hs, const float* __restrict__ u, const float* __restrict__ alpha,
     const float* __restrict__ dalpha, const float* __restrict__ dc, int64_t B, int T, int H, int n, int G,
     In* __restrict__ dh, float* __restrict__ part) {
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
   const Layout L(G, T, H, n);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const BlockSamples blk(B, T, G);
   const int ns = blk.ns, R = blk.R;
   const int64_t b0 = blk.b0;
 
-  // (a) stage hs rows, u, alpha, dalpha (into S) and dc
-  StageRowsAndU(sm, L, hs + b0 * T * H, u + int64_t{blockIdx.y} * H * n, R, H, n);
+  // (a) stage alpha, dalpha (into S), u, dc and the hs rows
   for (int e = tid; e < ns * n * T; e += kThreads) {  // e = (g n + j) T + t, as alpha / dalpha are laid out
     const int gj = e / T, t = e - gj * T;
     const int g = gj / n, j = gj - g * n;
@@ -202,21 +276,17 @@ __global__ void __launch_bounds__(kThreads) attention_pool_bwd_kernel(
     sm[L.a + at] = alpha[b0 * n * T + e];
     sm[L.s + at] = dalpha[b0 * n * T + e];
   }
-  for (int e = tid; e < ns * n * H; e += kThreads) {
-    const int gj = e / H;
-    sm[L.dc + int64_t{gj} * L.hp + (e - gj * H)] = dc[b0 * n * H + e];
-  }
+  StageU(sm + L.u, L.hp, u + int64_t{blockIdx.y} * H * n, H, n);
+  StageRows(sm + L.dc, L.hp, dc + b0 * n * H, ns * n, H);  // rows g n + j
+  StageRows(sm + L.x, L.hp, hs + b0 * T * H, R, H);
   __syncthreads();
 
   // (b) a[j][r] = dalpha[j][r] + h_r . dc_{g(r), j}
   for (int i = tid; i < R * n; i += kThreads) {
     const int r = i / n, j = i - r * n;
     const int g = r / T;
-    const float* x = sm + L.x + int64_t{r} * L.hp;
-    const float* d = sm + L.dc + int64_t{g * n + j} * L.hp;
-    float acc = 0.f;
-    for (int h = 0; h < H; ++h) acc = fmaf(x[h], d[h], acc);
-    sm[L.s + int64_t{j} * L.rq + r] += acc;
+    sm[L.s + int64_t{j} * L.rq + r] +=
+        RowDot(sm + L.x + int64_t{r} * L.hp, sm + L.dc + int64_t{g * n + j} * L.hp, H);
   }
   __syncthreads();
 
@@ -232,24 +302,34 @@ __global__ void __launch_bounds__(kThreads) attention_pool_bwd_kernel(
   }
   __syncthreads();
 
-  // (d) dh_r = sum_j alpha[j][r] dc_{g(r), j} + ds[j][r] u_j
+  // (d) dh_r = sum_j alpha[j][r] dc_{g(r), j} + ds[j][r] u_j (j ascending, the alpha term first)
   if (kDh) {
     In* out = dh + b0 * T * H;
-    Walk w(H);
-    int g = w.row / T, t = w.row - g * T;  // the sample of row w.row and its step, followed as the walk advances
-    while (w.row < R) {
-      const int r = w.row, h = w.col;
-      float acc = 0.f;
-      for (int j = 0; j < n; ++j) {
-        acc = fmaf(sm[L.a + int64_t{j} * L.rq + r], sm[L.dc + int64_t{g * n + j} * L.hp + h], acc);
-        acc = fmaf(sm[L.s + int64_t{j} * L.rq + r], sm[L.u + int64_t{j} * L.hp + h], acc);
+    if (H % 4 == 0) {  // four columns a thread, one 16-byte (8-byte bfloat16) store
+      const int H4 = H / 4;
+      for (int i = tid; i < R * H4; i += kThreads) {
+        const int r = i / H4, h = 4 * (i - r * H4), g = r / T;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j = 0; j < n; ++j) {
+          const float al = sm[L.a + int64_t{j} * L.rq + r], ds = sm[L.s + int64_t{j} * L.rq + r];
+          const float4 d4 = *reinterpret_cast<const float4*>(sm + L.dc + int64_t{g * n + j} * L.hp + h);
+          const float4 u4 = *reinterpret_cast<const float4*>(sm + L.u + int64_t{j} * L.hp + h);
+          acc.x = fmaf(ds, u4.x, fmaf(al, d4.x, acc.x));
+          acc.y = fmaf(ds, u4.y, fmaf(al, d4.y, acc.y));
+          acc.z = fmaf(ds, u4.z, fmaf(al, d4.z, acc.z));
+          acc.w = fmaf(ds, u4.w, fmaf(al, d4.w, acc.w));
+        }
+        Store4(out, i, acc);  // element r H + h = 4 i
       }
-      Store(out + int64_t{r} * H + h, acc);
-      w.Next();
-      t += w.row - r;
-      while (t >= T) {
-        t -= T;
-        ++g;
+    } else {
+      for (int i = tid; i < R * H; i += kThreads) {
+        const int r = i / H, h = i - r * H, g = r / T;
+        float acc = 0.f;
+        for (int j = 0; j < n; ++j) {
+          acc = fmaf(sm[L.a + int64_t{j} * L.rq + r], sm[L.dc + int64_t{g * n + j} * L.hp + h], acc);
+          acc = fmaf(sm[L.s + int64_t{j} * L.rq + r], sm[L.u + int64_t{j} * L.hp + h], acc);
+        }
+        Store(out + i, acc);
       }
     }
   }
@@ -261,9 +341,18 @@ __global__ void __launch_bounds__(kThreads) attention_pool_bwd_kernel(
     const float* ds = sm + L.s + int64_t{j} * L.rq;
     const float* x = sm + L.x + h;
     float acc = 0.f;
-    for (int r = 0; r < R; ++r) acc = fmaf(ds[r], x[int64_t{r} * L.hp], acc);
+#pragma unroll 8
+    for (int r = 0; r < R; ++r) acc = fmaf(ds[r], x[r * L.hp], acc);
     prow[i] = acc;
   }
+}
+
+// du [V, n H] = the column sums of the blocks' partials [V, blocks, n H], in a fixed order (FixedOrderColumnSum).
+__global__ void __launch_bounds__(32 * kSumRows)
+    attention_pool_du_kernel(const float* __restrict__ part, int64_t blocks, int64_t nh, float* __restrict__ du) {
+  const int64_t v = blockIdx.y, col = int64_t{blockIdx.x} * 32 + (threadIdx.x & 31);
+  float total;
+  if (FixedOrderColumnSum(part + v * blocks * nh, blocks, nh, col, &total)) du[v * nh + col] = total;
 }
 
 struct PoolDims {
@@ -344,13 +433,12 @@ ffi::Error AttentionPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer hs, ffi::Buf
 }
 
 // FFI target jaxfox_attention_pool_bwd: (hs, u, alpha, dalpha [.., B, n, T], dc [.., B, n, H]) -> dh [.., B, T, H]
-// (dtype of hs; or [.., 0]: not computed), du [.., n H] (layout [j][h]), and the workspaces part
-// [.., blocks, n H] and chunk partials [.., chunks n H] (or [.., 0] when chunks == 1).
+// (dtype of hs; or [.., 0]: not computed), du [.., n H] (layout [j][h]), and the workspace part [.., blocks, n H]
+// (the blocks' du partials). Two launches: the backward kernel, then attention_pool_du_kernel's fixed-order sum.
 ffi::Error AttentionPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer hs, ffi::Buffer<ffi::F32> u,
                                 ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> dalpha, ffi::Buffer<ffi::F32> dc,
-                                int64_t samples_per_block, int64_t chunks, ffi::Result<ffi::AnyBuffer> dh,
-                                ffi::ResultBuffer<ffi::F32> du, ffi::ResultBuffer<ffi::F32> part,
-                                ffi::ResultBuffer<ffi::F32> ws) {
+                                int64_t samples_per_block, ffi::Result<ffi::AnyBuffer> dh,
+                                ffi::ResultBuffer<ffi::F32> du, ffi::ResultBuffer<ffi::F32> part) {
   ClearStaleCudaError();
   PoolDims d;
   JAXFOX_RETURN_IF_ERROR(CheckCommon(hs, u, samples_per_block, &d));
@@ -369,15 +457,6 @@ ffi::Error AttentionPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer hs, ffi::Buf
   if (d.B == 0 || d.T == 0) {  // nothing to sum: du = 0 (dh is empty or, for T = 0, has no elements)
     cudaMemsetAsync(du->typed_data(), 0, sizeof(float) * d.V * nh, stream);
     return LastCudaError("attention_pool_bwd (B = 0 or T = 0)");
-  }
-  if (chunks < 1 || chunks > d.blocks) {
-    return InvalidArgument("attention_pool: chunks must be in [1, blocks = " + std::to_string(d.blocks) + "], got " +
-                           std::to_string(chunks));
-  }
-  const int64_t need = chunks > 1 ? d.V * chunks * nh : 0;
-  if (static_cast<int64_t>(ws->element_count()) < need) {
-    return InvalidArgument("attention_pool: workspace has " + std::to_string(ws->element_count()) +
-                           " elements, needs " + std::to_string(need));
   }
   const dim3 grid(static_cast<unsigned>(d.blocks), static_cast<unsigned>(d.V));
   auto launch = [&](auto* in, auto kdh) -> ffi::Error {
@@ -403,8 +482,10 @@ ffi::Error AttentionPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer hs, ffi::Buf
     err = want_dh ? launch(in, Yes{}) : launch(in, No{});
   }
   JAXFOX_RETURN_IF_ERROR(err);
-  return LaunchReduceAxis0(stream, part->typed_data(), d.V, d.blocks, nh, chunks,
-                           chunks > 1 ? ws->typed_data() : nullptr, du->typed_data());
+  const dim3 sum_grid(static_cast<unsigned>(CeilDiv(nh, 32)), static_cast<unsigned>(d.V));
+  attention_pool_du_kernel<<<sum_grid, 32 * kSumRows, 0, stream>>>(part->typed_data(), d.blocks, nh,
+                                                                   du->typed_data());
+  return LastCudaError("attention_pool_du");
 }
 
 }  // namespace
@@ -430,9 +511,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_attention_pool_bwd, jaxfox::AttentionPoolBw
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // d alpha
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // d c
                                   .Attr<int64_t>("samples_per_block")
-                                  .Attr<int64_t>("chunks")
                                   .Ret<xla::ffi::AnyBuffer>()               // dh (or [0])
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // du [n H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // workspace: per-block partials
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: chunk partials
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: per-block partials
                               {xla::ffi::Traits::kCmdBufferCompatible});

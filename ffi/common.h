@@ -134,6 +134,31 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
+// Fixed-order column sums of S partial rows part [S, C] (no atomics; the order depends on S only): a block of
+// 32 x kSumRows threads takes 32 consecutive columns (coalesced 128-byte row segments), thread row r sums the rows
+// s = r, r + kSumRows, ... in ascending order, then thread row 0 adds the kSumRows row sums in order r = 0, 1, ...
+// Call from every thread of the block (blockDim.x == 32 * kSumRows; lane = threadIdx.x % 32 owns column `col`);
+// returns true, with the sum in *total, in the row-0 threads whose column is < C.
+constexpr int kSumRows = 32;
+__device__ __forceinline__ bool FixedOrderColumnSum(const float* __restrict__ part, int64_t S, int64_t C, int64_t col,
+                                                    float* total) {
+  __shared__ float red[kSumRows][33];
+  const int lane = threadIdx.x & 31, r = threadIdx.x >> 5;
+  float v = 0.f;
+  if (col < C) {
+#pragma unroll 4
+    for (int64_t s = r; s < S; s += kSumRows) v += part[s * C + col];
+  }
+  red[r][lane] = v;
+  __syncthreads();
+  if (r != 0 || col >= C) return false;
+  float t = red[0][lane];
+#pragma unroll
+  for (int i = 1; i < kSumRows; ++i) t += red[i][lane];
+  *total = t;
+  return true;
+}
+
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // ReLU that keeps NaN (as XLA's max(x, 0) does): fmaxf(x, 0) would return 0 for a NaN and hide it.

@@ -128,27 +128,16 @@ __global__ void __launch_bounds__(kThreads, KH == 1 ? 3 : 1)
   }
 }
 
-// The S partial rows of every network summed in a fixed order (rows s = r, r + 32, ... by thread row r, then the 32
-// row sums in order r = 0 .. 31) and scattered into the outputs: db1 [G, H], dw2 [G, H], db2 [G] and loss [G].
-// A 32 x 32 block takes 32 consecutive columns of the [S, G P] partials (coalesced 128-byte rows).
-constexpr int kFinishRows = 32;
-__global__ void __launch_bounds__(32 * kFinishRows)
+// The S partial rows of every network summed in a fixed order (FixedOrderColumnSum, ffi/common.h: rows s = r,
+// r + 32, ... by thread row r, then the 32 row sums in order r = 0 .. 31) and scattered into the outputs: db1 [G, H],
+// dw2 [G, H], db2 [G] and loss [G]. A 32 x 32 block takes 32 consecutive columns of the [S, G P] partials.
+__global__ void __launch_bounds__(32 * kSumRows)
     iql_finish_kernel(const float* __restrict__ part, int S, int G, int H, float* __restrict__ db1,
                       float* __restrict__ dw2, float* __restrict__ db2, float* __restrict__ loss) {
-  __shared__ float red[kFinishRows][33];
-  const int P = 2 * H + 4, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
-  const int64_t C = static_cast<int64_t>(G) * P, col = static_cast<int64_t>(blockIdx.x) * 32 + lane;
-  float v = 0.f;
-  if (col < C) {
-#pragma unroll 4
-    for (int s = r; s < S; s += kFinishRows) v += part[s * C + col];
-  }
-  red[r][lane] = v;
-  __syncthreads();
-  if (r != 0 || col >= C) return;
-  float t = red[0][lane];
-#pragma unroll
-  for (int i = 1; i < kFinishRows; ++i) t += red[i][lane];
+  const int P = 2 * H + 4;
+  const int64_t C = static_cast<int64_t>(G) * P, col = static_cast<int64_t>(blockIdx.x) * 32 + (threadIdx.x & 31);
+  float t;
+  if (!FixedOrderColumnSum(part, S, C, col, &t)) return;
   const int g = static_cast<int>(col / P), e = static_cast<int>(col % P);
   if (e < H) {
     db1[static_cast<int64_t>(g) * H + e] = t;
@@ -219,7 +208,7 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
     default: launch(iql_head_kernel<4>); break;
   }
   JAXFOX_RETURN_IF_ERROR(LastCudaError("iql_head"));
-  iql_finish_kernel<<<static_cast<unsigned>(CeilDiv(G * P, 32)), 32 * kFinishRows, 0, stream>>>(
+  iql_finish_kernel<<<static_cast<unsigned>(CeilDiv(G * P, 32)), 32 * kSumRows, 0, stream>>>(
       part->typed_data(), static_cast<int>(splits), static_cast<int>(G), static_cast<int>(H), db1->typed_data(),
       dw2->typed_data(), db2->typed_data(), loss->typed_data());
   return LastCudaError("iql_finish");

@@ -31,7 +31,7 @@ parameter gradients only, where the kernels gave 1.51x). The kernels (``ffi/atte
 in the backward d alpha -> softmax backward -> d hs and d u), each CTA holding the rows of G <= max(1, 64 // T)
 whole samples in shared memory (as many as fit in 96 KiB); u, pv, pooled and every parameter gradient are
 batched XLA GEMMs over all samples. Their sums run in a fixed order without atomics (d u: per-block partials
-added by :func:`jaxfox.reduce_axis0`'s kernel), so results are bitwise reproducible, and a sample's alpha comes
+added column by column in block order by a second kernel of the backward call), so results are bitwise reproducible, and a sample's alpha comes
 from the kernel alone and does not depend on the rest of the batch (pooled and d hs also pass through XLA's
 batched GEMMs, whose algorithm may depend on the batch size). Shapes where one sample does not fit in 96 KiB
 (about T H > 23000 at 4 heads) run the factored XLA form even when opted in.
@@ -49,7 +49,6 @@ import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
 from jaxfox._validate import positive_int as _positive_int
-from jaxfox.reduce import reduce_chunks
 
 __all__ = ["attention_pool_init", "attention_pool"]
 
@@ -191,9 +190,11 @@ class _Config(NamedTuple):
 
 
 def _smem_bytes(G, T, H, n):
-    """Dynamic shared memory of the kernels (ffi/attention_pool.cu Layout::total floats x 4)."""
-    R, hp = G * T, H | 1
-    return 4 * (R * hp + n * hp + 2 * n * (R | 1) + G * n * hp + R)
+    """Dynamic shared memory of the kernels (ffi/attention_pool.cu Layout::total floats x 4; row stride RowStride)."""
+    R = G * T
+    hp = (H | 1) if H % 4 else (H + 4 if H % 8 == 0 else H)
+    scores = -(-n * (R | 1) // 4) * 4
+    return 4 * (R * hp + n * hp + 2 * scores + G * n * hp + R)
 
 
 def _samples_per_block(T, H, n):
@@ -236,13 +237,11 @@ def _stream_bwd(cfg, res, cts):
                   for ct, shape in zip(cts, ((B, n, T), (B, n, H))))
     G = cfg.samples_per_block
     blocks = -(-B // G)
-    chunks = reduce_chunks(blocks, n * H)
     out = (jax.ShapeDtypeStruct((B, T, H) if want_dhs else (0,), hs.dtype),  # dh (or not computed)
            jax.ShapeDtypeStruct((n * H,), f32),                               # du, [n, H] row-major
-           jax.ShapeDtypeStruct((blocks, n * H), f32),                        # workspace: per-block partials
-           jax.ShapeDtypeStruct((chunks * n * H if chunks > 1 else 0,), f32))  # workspace: chunk partials
-    dhs, du, *_ = _ffi_call("jaxfox_attention_pool_bwd", out, vmap_method="broadcast_all")(
-        hs, u, alpha, dalpha, dc, samples_per_block=np.int64(G), chunks=np.int64(chunks))
+           jax.ShapeDtypeStruct((blocks, n * H), f32))                        # workspace: per-block partials
+    dhs, du, _ = _ffi_call("jaxfox_attention_pool_bwd", out, vmap_method="broadcast_all")(
+        hs, u, alpha, dalpha, dc, samples_per_block=np.int64(G))
     return psum_to_match((dhs if want_dhs else None, None, du.reshape(n, H).T), (hs, None, u))
 
 

@@ -12,8 +12,9 @@ reference path on the GPU, and gpu_sanitize_vsn.py); tests/test_gpu_attention.py
 The oracle is tests/test_attention.py's float64 NumPy transcription of the kernel file's equations (_emu_fwd,
 _emu_bwd), run on the host.
 Cases (B, T, H, n): (5, 13, 24, 3) odd sizes, with an all-masked and a single-valid sample; (2, 150, 128, 4) one
-long sequence a block (85 KiB of shared memory), bfloat16 states; (70, 64, 8, 2) 70 one-sample blocks, a chunked
-d u sum; (37, 16, 64, 4) 4 samples a block, the last block partial; (3, 6, 16, 4) under vmap (leading instance
+long sequence a block (85 KiB of shared memory), bfloat16 states; (70, 64, 8, 2) 70 one-sample blocks (more
+partial rows than the d u sum's 32 thread rows); (4, 9, 10, 2) H % 4 != 0 (scalar paths), float32 and bfloat16;
+(3, 20, 12, 3) H % 8 == 4; (37, 16, 64, 4) 4 samples a block, the last block partial; (3, 6, 16, 4) under vmap (leading instance
 axis); and the backward without d hs (hs not differentiated: a [0] output).
 Prints OK at the end; exits non-zero when the kernels are not available (nothing would be sanitized).
 """
@@ -35,7 +36,6 @@ import numpy as np  # noqa: E402
 
 import jaxfox  # noqa: E402
 from jaxfox import attention as attn  # noqa: E402
-from jaxfox.reduce import reduce_chunks  # noqa: E402
 
 
 def _close(name, got, want, tol):
@@ -65,7 +65,6 @@ def case(B, T, H, n, dtype=jnp.float32, seed=0, vmap=0, want_dhs=True):
     G = attn._samples_per_block(T, H, n)
     assert G >= 1, (T, H, n)
     cfg = attn._Config(H, n, G)
-    chunks = reduce_chunks(-(-B // G), n * H)
 
     def fwd(hs, m, u):
         return attn._stream_fwd_call(cfg, hs, m, u)
@@ -90,8 +89,7 @@ def case(B, T, H, n, dtype=jnp.float32, seed=0, vmap=0, want_dhs=True):
     assert "jaxfox_attention_pool_bwd" in bwd_c.as_text(), "backward kernel not in the program"
     dhs, du_t = jax.device_get(jax.block_until_ready(bwd_c(*bargs)))
     shapes = (jax.ShapeDtypeStruct(lead + ((B, T, H) if want_dhs else (0,)), hs.dtype),)
-    want_dhs_v, want_du, _, _ = _emu_bwd(hs, u, want_alpha, dalpha, dc, samples_per_block=G, chunks=chunks,
-                                         _shapes=shapes)
+    want_dhs_v, want_du, _ = _emu_bwd(hs, u, want_alpha, dalpha, dc, samples_per_block=G, _shapes=shapes)
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-4
     if want_dhs:
         _close("d hs", dhs, want_dhs_v, tol)
@@ -99,7 +97,7 @@ def case(B, T, H, n, dtype=jnp.float32, seed=0, vmap=0, want_dhs=True):
         assert dhs.shape == (0,), dhs.shape
     _close("d u", du_t, np.swapaxes(want_du.reshape(lead + (n, H)), -1, -2), 1e-4)
     print(f"attention_pool kernels B={B} T={T} H={H} n={n} {jnp.dtype(dtype).name} vmap={vmap} "
-          f"d_hs={want_dhs} G={G} chunks={chunks}: ok", flush=True)
+          f"d_hs={want_dhs} G={G} blocks={-(-B // G)}: ok", flush=True)
 
 
 def main():
@@ -108,7 +106,10 @@ def main():
         sys.exit(1)
     case(5, 13, 24, 3)                          # odd sizes, masked samples
     case(2, 150, 128, 4, dtype=jnp.bfloat16)    # one long sequence a block, bf16 states
-    case(70, 64, 8, 2)                          # 70 blocks: a chunked d u sum
+    case(70, 64, 8, 2)                          # 70 blocks: more partial rows than the d u sum's 32 thread rows
+    case(4, 9, 10, 2)                           # H % 4 != 0: scalar staging and d hs, odd row stride
+    case(4, 9, 10, 2, dtype=jnp.bfloat16)       # the same with bfloat16 states
+    case(3, 20, 12, 3)                          # H % 8 == 4: rows of H floats, float4 paths
     case(37, 16, 64, 4)                         # 4 samples a block, the last block partial
     case(37, 16, 64, 4, want_dhs=False)         # d hs not formed
     case(3, 6, 16, 4, vmap=2)                   # vmap: leading instance axis

@@ -6,8 +6,8 @@ no code with the library. Gradients are checked against float64 central differen
 
 The kernel path cannot run here, but its host side can: ``kernel_path`` replaces ``jax.ffi.ffi_call``
 by ``jax.pure_callback`` into ``_emu_fwd`` / ``_emu_bwd``, a float64 NumPy transcription of the
-algorithm of ffi/attention_pool.cu (no K or V; u = W_k q / sqrt d; per-sample factors; chunked
-parameter-gradient sums). That checks the custom_vjp wiring (operand and output order, attrs,
+algorithm of ffi/attention_pool.cu (no K or V; u = W_k q / sqrt d; per-sample factors; per-block
+d u partials summed over the blocks). That checks the custom_vjp wiring (operand and output order, attrs,
 workspace sizes, vmap through broadcast_all, dtypes) and the derivation of the factored gradients
 against the oracle. The CUDA code itself is tested in test_gpu_attention.py.
 """
@@ -599,15 +599,14 @@ def _emu_fwd(hs, mask, u, *, samples_per_block, _shapes):
     return alpha.reshape(lead + (B, n, T)).astype(f32), c.reshape(lead + (B, n, H)).astype(f32)
 
 
-def _emu_bwd(hs, u, alpha, dalpha, dc, *, samples_per_block, chunks, _shapes):
-    """jaxfox_attention_pool_bwd: -> dh [.., B, T, H] (or [.., 0]), du [.., n H] ([j][h]), partials, chunk
-    workspace; the du partials per block of G samples, then summed over the blocks."""
+def _emu_bwd(hs, u, alpha, dalpha, dc, *, samples_per_block, _shapes):
+    """jaxfox_attention_pool_bwd: -> dh [.., B, T, H] (or [.., 0]), du [.., n H] ([j][h]), partials; the du
+    partials per block of G samples, then summed over the blocks."""
     B, T, H = hs.shape[-3:]
     n = u.shape[-1]
     lead = hs.shape[:-3]
     G = samples_per_block
     blocks = -(-B // G)
-    assert chunks == jaxfox.reduce.reduce_chunks(blocks, n * H)
     for x, shape in [(alpha, (B, n, T)), (dalpha, (B, n, T)), (dc, (B, n, H))]:
         assert x.shape == lead + shape and x.dtype == np.float32, (x.shape, shape, x.dtype)
     want_dh = tuple(_shapes[0].shape) != (0,)
@@ -624,9 +623,8 @@ def _emu_bwd(hs, u, alpha, dalpha, dc, *, samples_per_block, chunks, _shapes):
             part[v, b // G] += (ds @ h).ravel()                          # [n, H] -> [j][h]
     f32 = np.float32
     dh_out = dh.reshape(lead + (B, T, H)).astype(hs.dtype) if want_dh else np.zeros(lead + (0,), hs.dtype)
-    ws = np.zeros(lead + ((chunks * n * H if chunks > 1 else 0),), f32)
     return (dh_out, part.sum(axis=1).reshape(lead + (n * H,)).astype(f32),
-            part.reshape(lead + (blocks, n * H)).astype(f32), ws)
+            part.reshape(lead + (blocks, n * H)).astype(f32))
 
 
 _EMULATORS = {"jaxfox_attention_pool_fwd": _emu_fwd, "jaxfox_attention_pool_bwd": _emu_bwd}
@@ -659,7 +657,7 @@ def kernel_path(monkeypatch):
 @pytest.mark.parametrize("B,T,H,n", [(3, 5, 8, 2), (4, 7, 12, 3), (37, 4, 8, 2), (70, 64, 8, 2)])
 def test_kernel_algorithm_and_wiring(kernel_path, B, T, H, n):
     """Values and every gradient of the kernel path (kernels emulated) against the float64 oracle. (37, 4):
-    3 blocks of 16 samples, the last partial; (70, 64): one sample a block, 70 blocks, a chunked du sum."""
+    3 blocks of 16 samples, the last partial; (70, 64): one sample a block, 70 blocks of du partials."""
     params, hs, mask = _setup(B, T, H, n, seed=81 + B, all_masked=(1,), single=(0,))
     r1, r2 = _weights(B, T, H, n, seed=5)
     pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
@@ -686,8 +684,6 @@ def test_kernel_algorithm_and_wiring(kernel_path, B, T, H, n):
         _assert_f32_close(gp[k], wp[k], tol=1e-4)
     _assert_f32_close(gh, wh, tol=1e-4)
     assert np.all(np.asarray(gh)[1] == 0.0)
-    if B == 70:
-        assert jaxfox.reduce.reduce_chunks(70, n * H) > 1
 
 
 def test_kernel_path_skips_dhs_when_hs_is_not_differentiated(kernel_path):
@@ -734,8 +730,13 @@ def test_kernel_path_no_mask_vmap_bf16(kernel_path):
 def test_block_choice():
     spb = attn_mod._samples_per_block
     assert spb(64, 128, 4) == 1 and spb(16, 64, 4) == 4 and spb(150, 128, 4) == 1 and spb(1, 8, 2) == 64
-    # the target shapes fit (39.5 KB at T=64 H=128, 24 KB at the aux trainer's T=16 H=64)
-    assert attn_mod._smem_bytes(1, 64, 128, 4) == 39488 and attn_mod._smem_bytes(4, 16, 64, 4) == 24176
+    # the target shapes fit (40.4 KB at T=64 H=128, 25 KB at the aux trainer's T=16 H=64): rows of H + 4 floats,
+    # the [n][R | 1] score arrays rounded up to 4 floats
+    assert attn_mod._smem_bytes(1, 64, 128, 4) == 4 * (64 * 132 + 4 * 132 + 2 * 260 + 4 * 132 + 64) == 40352
+    assert attn_mod._smem_bytes(4, 16, 64, 4) == 4 * (64 * 68 + 4 * 68 + 2 * 260 + 16 * 68 + 64) == 25184
+    # H % 8 == 4 keeps rows of H floats, H % 4 != 0 odd rows of H | 1, and n (R | 1) = 3 x 65 rounds up to 196
+    assert attn_mod._smem_bytes(1, 64, 12, 3) == 4 * (64 * 12 + 3 * 12 + 2 * 196 + 3 * 12 + 64)
+    assert attn_mod._smem_bytes(1, 64, 10, 2) == 4 * (64 * 11 + 2 * 11 + 2 * 132 + 2 * 11 + 64)
     # short rows of wide samples: fewer than 64 // T samples a block, the most that fit
     for T, H, n in [(1, 128, 4), (1, 256, 4), (4, 256, 4), (2, 128, 4)]:
         G = spb(T, H, n)

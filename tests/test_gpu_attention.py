@@ -18,7 +18,6 @@ import pytest
 
 import jaxfox
 from jaxfox import attention_pool, attention_pool_init
-from jaxfox.reduce import reduce_chunks
 from conftest import assert_command_buffers_identical, module_opt_in
 
 pytestmark = pytest.mark.gpu
@@ -113,10 +112,10 @@ def _compare(got, want, tol=TOL, hs_tol=TOL):
 CASES = [  # B, T, H, n, mask kind (a block holds G = max(1, 64 // T) samples)
     (32, 64, 128, 4, "none"),
     (32, 64, 128, 4, "mixed"),
-    (256, 64, 128, 4, "mixed"),   # 256 blocks: 4 chunks in the d u sum
-    (70, 64, 128, 4, "mixed"),    # 2 uneven chunks
+    (256, 64, 128, 4, "mixed"),   # 256 blocks: 8 partial rows a thread row in the d u sum
+    (70, 64, 128, 4, "mixed"),    # 70 blocks: thread rows of 3 and 2 partial rows
     (37, 16, 64, 4, "mixed"),     # 4 samples a block (the aux trainer's widths), the last block partial
-    (1100, 4, 8, 2, "mixed"),     # 16 samples a block, 69 blocks: 2 chunks
+    (1100, 4, 8, 2, "mixed"),     # 16 samples a block, 69 blocks
     (5, 37, 24, 3, "mixed"),
     (4, 150, 128, 4, "mixed"),    # one sample of 150 rows a block: 85 KiB of shared memory (above 48 KiB)
     (3, 10, 130, 2, "mixed"),     # H % 4 != 0
@@ -132,9 +131,8 @@ def test_kernel_matches_reference(B, T, H, n, mask_kind):
     params = _params(H, n, seed=B + T)
     hs, mask = _inputs(B, T, H, seed=B * T, mask_kind=mask_kind)
     step = _make_step(n, *_weights(B, T, H, n))
-    if B >= 70:
-        G = jaxfox.attention._samples_per_block(T, H, n)
-        assert reduce_chunks(-(-B // G), n * H) > 1  # the chunked reduction is exercised
+    if B >= 70:  # more partial rows than the d u sum's 32 thread rows (ffi/common.h FixedOrderColumnSum)
+        assert -(-B // jaxfox.attention._samples_per_block(T, H, n)) > 32
     _compare(_run(step, params, hs, mask), _run(step, params, hs, mask, reference=True))
 
 
