@@ -23,18 +23,20 @@ to 1), which b_o already represents; so only b_o is kept.
 
 On CUDA K and V are never formed: s[j, t] = h_t . u_j with u_j = W_k[:, D_j] q_{D_j} / sqrt(d),
 c_j = sum_t alpha[j, t] h_t and pv_{D_j} = c_j W_v[:, D_j]. By default XLA runs that factored form (``_factored``:
-batched einsums, differentiated by JAX), which the H200 measured faster than both the reference form and the
-kernels at every benchmarked size (fwd+bwd, BENCHMARKS.md "thirty-first session": 1.22x the reference at 2048 rows,
-B=32 T=64 H=128; 1.75x at 16384 rows, where the kernels gave 1.25x; 2.45x at the aux trainer's B=16384 T=16 H=64,
-parameter gradients only, where the kernels gave 1.51x). The kernels (``ffi/attention_pool.cu``) run with
-``JAXFOX_OPT_IN_KERNELS=attention_pool``: they do the per-sample streaming part (scores, masked softmax, c; and
+batched einsums, differentiated by JAX), which the H200 measured faster than the reference form and the kernels at
+every benchmarked size (fwd+bwd, BENCHMARKS.md "thirty-first session"). The kernels (``ffi/attention_pool.cu``) run
+with ``JAXFOX_OPT_IN_KERNELS=attention_pool``: they do the per-sample streaming part (scores, masked softmax, c; and
 in the backward d alpha -> softmax backward -> d hs and d u), each CTA holding the rows of G <= max(1, 64 // T)
-whole samples in shared memory (as many as fit in 96 KiB); u, pv, pooled and every parameter gradient are
-batched XLA GEMMs over all samples. Their sums run in a fixed order without atomics (d u: per-block partials
-added column by column in block order by a second kernel of the backward call), so results are bitwise reproducible, and a sample's alpha comes
-from the kernel alone and does not depend on the rest of the batch (pooled and d hs also pass through XLA's
-batched GEMMs, whose algorithm may depend on the batch size). Shapes where one sample does not fit in 96 KiB
-(about T H > 23000 at 4 heads) run the factored XLA form even when opted in.
+whole samples in shared memory (as many as fit in 96 KiB; one sample up to 160 KiB); u, pv, pooled and every
+parameter gradient are batched XLA GEMMs over all samples. On an H100 (BENCHMARKS.md "thirty-seventh session",
+fwd+bwd against the reference form) the kernels gave 1.91x at 16384 rows (B=256 T=64 H=128) where the factored
+form gave 1.74x, but 1.10x at 2048 rows (factored 1.22x) and 2.42x at the aux trainer's B=16384 T=16 H=64
+(factored 2.78x): they stay opt-in. Their sums run in a fixed order without atomics (d u: per-block partials added
+column by column in block order by a second kernel of the backward call), so results are bitwise reproducible, and
+a sample's alpha comes from the kernel alone and does not depend on the rest of the batch (pooled and d hs also
+pass through XLA's batched GEMMs, whose algorithm may depend on the batch size). Shapes where one sample does not
+fit in 160 KiB (T > 261 at H = 128 and 4 heads), and widths H without a compiled lane layout (``_lane_chunks``: H >
+512, odd H > 128, or H > 256 not a multiple of 4), run the factored XLA form even when opted in.
 """
 
 from __future__ import annotations
@@ -180,7 +182,8 @@ def _output(params, pv, mask):
 # ffi/attention_pool.cu; the weight products around it (u = W_k q, pv = c W_v per head, pooled = pv W_o + b_o)
 # are batched XLA GEMMs over all samples, differentiated by JAX.
 _BLOCK_ROWS = 64                 # a CTA owns G <= max(1, 64 // T) whole samples (_samples_per_block)
-_SMEM_LIMIT = 96 * 1024          # bytes of shared memory a block may use (2 blocks per SM on 9.0 / 10.x)
+_SMEM_LIMIT = 96 * 1024          # bytes of shared memory a block of several samples may use (2 blocks an SM on 9.0)
+_SMEM_LIMIT_ONE = 160 * 1024     # ... a block of one sample (within sm_80's 163 KiB opt-in maximum)
 
 
 class _Config(NamedTuple):
@@ -190,20 +193,34 @@ class _Config(NamedTuple):
 
 
 def _smem_bytes(G, T, H, n):
-    """Dynamic shared memory of the kernels (ffi/attention_pool.cu Layout::total floats x 4; row stride RowStride)."""
+    """Dynamic shared memory of the kernels (ffi/attention_pool.cu Layout::total floats x 4): hs rows [G T][H], u
+    [n][H], alpha and scores [n][G T] each, dc [G n][H], valid flags [G T] and 8 warps' sums [8][n H], every region
+    rounded up to 4 floats."""
     R = G * T
-    hp = (H | 1) if H % 4 else (H + 4 if H % 8 == 0 else H)
-    scores = -(-n * (R | 1) // 4) * 4
-    return 4 * (R * hp + n * hp + 2 * scores + G * n * hp + R)
+    r4 = lambda x: -(-x // 4) * 4  # noqa: E731
+    return 4 * (r4(R * H) + r4(n * H) + 2 * r4(n * R) + r4(G * n * H) + r4(R) + 8 * n * H)
+
+
+def _lane_chunks(H):
+    """Column chunks a lane walks in the kernels (ffi/attention_pool.cu LaneLayout): 32 lanes x VW columns with VW =
+    4 when H % 4 == 0 and H >= 128, else 2 when H % 2 == 0 and H >= 64, else 1; rounded up to 1, 2 or 4; 0 when H
+    needs more than 4 (H > 512; or H > 256 with H % 4 != 0; or odd H > 128: the kernels are not compiled for it and
+    the factored XLA form runs)."""
+    vw = 4 if H % 4 == 0 and H >= 128 else 2 if H % 2 == 0 and H >= 64 else 1
+    chunks = -(-H // (32 * vw))
+    return next((c for c in (1, 2, 4) if chunks <= c), 0)
 
 
 def _samples_per_block(T, H, n):
-    """G: the most whole samples a CTA holds, at most max(1, 64 // T) and within _SMEM_LIMIT; 0 when one sample
-    does not fit (the factored XLA form runs). A function of the shape only, as is the order of the d u sum."""
+    """G: the most whole samples a CTA holds, at most max(1, 64 // T) and within _SMEM_LIMIT (one sample: within
+    _SMEM_LIMIT_ONE); 0 when one sample does not fit or H has no compiled lane layout (_lane_chunks; the factored XLA
+    form runs then). A function of the shape only, as is the order of every sum in the kernels."""
+    if _lane_chunks(H) == 0:
+        return 0
     G = max(1, _BLOCK_ROWS // max(T, 1))
-    while G > 0 and _smem_bytes(G, T, H, n) > _SMEM_LIMIT:
+    while G > 1 and _smem_bytes(G, T, H, n) > _SMEM_LIMIT:
         G -= 1
-    return G
+    return G if _smem_bytes(G, T, H, n) <= (_SMEM_LIMIT if G > 1 else _SMEM_LIMIT_ONE) else 0
 
 
 def _stream_fwd_call(cfg, hs, mask, u):

@@ -12,9 +12,11 @@ reference path on the GPU, and gpu_sanitize_vsn.py); tests/test_gpu_attention.py
 The oracle is tests/test_attention.py's float64 NumPy transcription of the kernel file's equations (_emu_fwd,
 _emu_bwd), run on the host.
 Cases (B, T, H, n): (5, 13, 24, 3) odd sizes, with an all-masked and a single-valid sample; (2, 150, 128, 4) one
-long sequence a block (85 KiB of shared memory), bfloat16 states; (70, 64, 8, 2) 70 one-sample blocks (more
+long sequence a block (100 KiB of shared memory, alone in its block), bfloat16 states; (70, 64, 8, 2) 70 one-sample blocks (more
 partial rows than the d u sum's 32 thread rows); (4, 9, 10, 2) H % 4 != 0 (scalar paths), float32 and bfloat16;
-(3, 20, 12, 3) H % 8 == 4; (37, 16, 64, 4) 4 samples a block, the last block partial; (3, 6, 16, 4) under vmap (leading instance
+(3, 20, 12, 3) H % 8 == 4;
+(20, 4, 8, 2) two samples a warp; (3, 7, 264, 4) partial column chunks; (3, 16, 16, 16) more heads than a register
+group; (37, 16, 64, 4) 4 samples a block, the last block partial; (3, 6, 16, 4) under vmap (leading instance
 axis); and the backward without d hs (hs not differentiated: a [0] output).
 Prints OK at the end; exits non-zero when the kernels are not available (nothing would be sanitized).
 """
@@ -113,6 +115,9 @@ def main():
     case(37, 16, 64, 4)                         # 4 samples a block, the last block partial
     case(37, 16, 64, 4, want_dhs=False)         # d hs not formed
     case(3, 6, 16, 4, vmap=2)                   # vmap: leading instance axis
+    case(20, 4, 8, 2)                           # 16 samples a block: a warp walks two samples
+    case(3, 7, 264, 4)                          # 3 of 4 column chunks a lane, the third partial
+    case(3, 16, 16, 16)                         # 16 heads: four head groups, d hs from shared memory
     print("OK")
 
 

@@ -579,7 +579,7 @@ def _emu_fwd(hs, mask, u, *, samples_per_block, _shapes):
     lead = hs.shape[:-3]
     G = samples_per_block
     assert G == attn_mod._samples_per_block(T, H, n) >= 1
-    assert attn_mod._smem_bytes(G, T, H, n) <= attn_mod._SMEM_LIMIT
+    assert attn_mod._smem_bytes(G, T, H, n) <= (attn_mod._SMEM_LIMIT if G > 1 else attn_mod._SMEM_LIMIT_ONE)
     assert mask.shape == lead + (B, T) and mask.dtype == np.bool_ and u.shape == lead + (H, n)
     V = int(np.prod(lead, dtype=np.int64))
     hsv = np.asarray(hs).astype(np.float64).reshape(V, B, T, H)
@@ -730,20 +730,26 @@ def test_kernel_path_no_mask_vmap_bf16(kernel_path):
 def test_block_choice():
     spb = attn_mod._samples_per_block
     assert spb(64, 128, 4) == 1 and spb(16, 64, 4) == 4 and spb(150, 128, 4) == 1 and spb(1, 8, 2) == 64
-    # the target shapes fit (40.4 KB at T=64 H=128, 25 KB at the aux trainer's T=16 H=64): rows of H + 4 floats,
-    # the [n][R | 1] score arrays rounded up to 4 floats
-    assert attn_mod._smem_bytes(1, 64, 128, 4) == 4 * (64 * 132 + 4 * 132 + 2 * 260 + 4 * 132 + 64) == 40352
-    assert attn_mod._smem_bytes(4, 16, 64, 4) == 4 * (64 * 68 + 4 * 68 + 2 * 260 + 16 * 68 + 64) == 25184
-    # H % 8 == 4 keeps rows of H floats, H % 4 != 0 odd rows of H | 1, and n (R | 1) = 3 x 65 rounds up to 196
-    assert attn_mod._smem_bytes(1, 64, 12, 3) == 4 * (64 * 12 + 3 * 12 + 2 * 196 + 3 * 12 + 64)
-    assert attn_mod._smem_bytes(1, 64, 10, 2) == 4 * (64 * 11 + 2 * 11 + 2 * 132 + 2 * 11 + 64)
+    # the target shapes fit (54.3 KiB at T=64 H=128, 31.3 KiB at the aux trainer's T=16 H=64): regions of hs rows,
+    # u, alpha, scores, dc, flags and the 8 warps' [n H] sums, each rounded up to 4 floats
+    assert attn_mod._smem_bytes(1, 64, 128, 4) == 4 * (64 * 128 + 512 + 2 * 256 + 512 + 64 + 8 * 512) == 55552
+    assert attn_mod._smem_bytes(4, 16, 64, 4) == 4 * (64 * 64 + 256 + 2 * 256 + 4 * 256 + 64 + 8 * 256) == 32000
+    assert attn_mod._smem_bytes(1, 5, 10, 2) == 4 * (52 + 20 + 2 * 12 + 20 + 8 + 8 * 20)  # 50, 10 and 5 rounded up
+    # the kernels' lane layouts: 4 columns a lane for H % 4 == 0 from 128 on (up to 4 x 128), 2 for even H from 64 on
+    # (up to 4 x 64), else 1 (up to 4 x 32)
+    Hs = (4, 128, 132, 256, 264, 512, 516, 64, 96, 130, 258, 30, 48, 127, 129)
+    assert [attn_mod._lane_chunks(H) for H in Hs] == [1, 1, 2, 2, 4, 4, 0, 1, 2, 4, 0, 1, 2, 4, 0]
+    assert spb(64, 258, 2) == 0 and spb(64, 516, 4) == 0 and spb(64, 129, 3) == 0 and spb(64, 130, 2) == 1
+    # one sample above 96 KiB runs alone in its block, up to 160 KiB
+    assert attn_mod._SMEM_LIMIT < attn_mod._smem_bytes(1, 150, 128, 4) <= attn_mod._SMEM_LIMIT_ONE
+    assert spb(150, 128, 4) == 1
     # short rows of wide samples: fewer than 64 // T samples a block, the most that fit
     for T, H, n in [(1, 128, 4), (1, 256, 4), (4, 256, 4), (2, 128, 4)]:
         G = spb(T, H, n)
         assert 1 <= G < 64 // T and attn_mod._smem_bytes(G, T, H, n) <= attn_mod._SMEM_LIMIT
         assert attn_mod._smem_bytes(G + 1, T, H, n) > attn_mod._SMEM_LIMIT
     # one sample that does not fit: 0 (the factored XLA form runs)
-    assert attn_mod._smem_bytes(1, 1000, 128, 4) > attn_mod._SMEM_LIMIT and spb(1000, 128, 4) == 0
+    assert attn_mod._smem_bytes(1, 1000, 128, 4) > attn_mod._SMEM_LIMIT_ONE and spb(1000, 128, 4) == 0
 
 
 def test_rows_beyond_the_shared_memory_run_the_factored_form(monkeypatch):
