@@ -273,6 +273,41 @@ __device__ __forceinline__ void RowScores(const float* xr, const float (&w)[kHea
   }
 }
 
+// acc[jj] += W[j0 + jj][r] x_r at the lane's columns, for the heads j0 + jj < n of a [n][R] weight array W.
+template <int VW, int NC>
+__device__ __forceinline__ void AddWeightedRow(float (&acc)[kHeadGroup][NC][VW], const float* W, int R, int r, int j0,
+                                               int n, const float* xr, int H, int lane) {
+  float w[kHeadGroup];
+#pragma unroll
+  for (int jj = 0; jj < kHeadGroup; ++jj) w[jj] = j0 + jj < n ? W[int64_t{j0 + jj} * R + r] : 0.f;
+#pragma unroll
+  for (int q = 0; q < NC; ++q) {
+    const int col = LaneCol<VW>(q, lane);
+    if (col < H) {
+      const Vec<VW> xv = LdsV<VW>(xr + col);
+#pragma unroll
+      for (int jj = 0; jj < kHeadGroup; ++jj) {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc[jj][q][e] = fmaf(w[jj], xv.v[e], acc[jj][q][e]);
+      }
+    }
+  }
+}
+
+// Writes the heads j0 + jj < n of acc at the lane's columns into dst [n][H].
+template <int VW, int NC>
+__device__ __forceinline__ void StoreHeadGroup(float* dst, const float (&acc)[kHeadGroup][NC][VW], int H, int j0,
+                                               int n, int lane) {
+#pragma unroll
+  for (int jj = 0; jj < kHeadGroup; ++jj) {
+#pragma unroll
+    for (int q = 0; q < NC; ++q) {
+      const int col = LaneCol<VW>(q, lane);
+      if (j0 + jj < n && col < H) StV<VW>(dst + int64_t{j0 + jj} * H + col, acc[jj][q]);
+    }
+  }
+}
+
 // Softmax over the valid steps of each (sample, head), one warp each, in place in S; alpha also to global memory.
 __device__ __forceinline__ void Softmax(float* S, const float* valid_flags, float* __restrict__ alpha, int64_t b0,
                                        int ns, int T, int n, int R, int warp, int lane) {
@@ -343,31 +378,9 @@ __global__ void __launch_bounds__(kThreads) attention_pool_fwd_kernel(
       float acc[kHeadGroup][NC][VW] = {};
       for (int t = sl.t0; t < T; t += sl.k) {
         const int r = g * T + t;
-        float al[kHeadGroup];
-#pragma unroll
-        for (int jj = 0; jj < kHeadGroup; ++jj) al[jj] = j0 + jj < n ? S[int64_t{j0 + jj} * R + r] : 0.f;
-#pragma unroll
-        for (int q = 0; q < NC; ++q) {
-          const int col = LaneCol<VW>(q, lane);
-          if (col < H) {
-            const Vec<VW> xv = LdsV<VW>(X + int64_t{r} * H + col);
-#pragma unroll
-            for (int jj = 0; jj < kHeadGroup; ++jj) {
-#pragma unroll
-              for (int e = 0; e < VW; ++e) acc[jj][q][e] = fmaf(al[jj], xv.v[e], acc[jj][q][e]);
-            }
-          }
-        }
+        AddWeightedRow<VW, NC>(acc, S, R, r, j0, n, X + int64_t{r} * H, H, lane);
       }
-      float* dst = sl.k == 1 ? c + (b0 + g) * nh : sm + L.slot + warp * nh;
-#pragma unroll
-      for (int jj = 0; jj < kHeadGroup; ++jj) {
-#pragma unroll
-        for (int q = 0; q < NC; ++q) {
-          const int col = LaneCol<VW>(q, lane);
-          if (j0 + jj < n && col < H) StV<VW>(dst + int64_t{j0 + jj} * H + col, acc[jj][q]);
-        }
-      }
+      StoreHeadGroup<VW, NC>(sl.k == 1 ? c + (b0 + g) * nh : sm + L.slot + warp * nh, acc, H, j0, n, lane);
     }
   }
   if (sl.k > 1) {
@@ -500,31 +513,8 @@ __global__ void __launch_bounds__(kThreads) attention_pool_bwd_kernel(
   // in registers, then the warps' sums are added in warp order
   for (int j0 = 0; j0 < n; j0 += kHeadGroup) {
     float acc[kHeadGroup][NC][VW] = {};
-    for (int r = warp; r < R; r += kWarps) {
-      float ds[kHeadGroup];
-#pragma unroll
-      for (int jj = 0; jj < kHeadGroup; ++jj) ds[jj] = j0 + jj < n ? S[int64_t{j0 + jj} * R + r] : 0.f;
-#pragma unroll
-      for (int q = 0; q < NC; ++q) {
-        const int col = LaneCol<VW>(q, lane);
-        if (col < H) {
-          const Vec<VW> xv = LdsV<VW>(X + int64_t{r} * H + col);
-#pragma unroll
-          for (int jj = 0; jj < kHeadGroup; ++jj) {
-#pragma unroll
-            for (int e = 0; e < VW; ++e) acc[jj][q][e] = fmaf(ds[jj], xv.v[e], acc[jj][q][e]);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int jj = 0; jj < kHeadGroup; ++jj) {
-#pragma unroll
-      for (int q = 0; q < NC; ++q) {
-        const int col = LaneCol<VW>(q, lane);
-        if (j0 + jj < n && col < H) StV<VW>(sm + L.slot + warp * nh + int64_t{j0 + jj} * H + col, acc[jj][q]);
-      }
-    }
+    for (int r = warp; r < R; r += kWarps) AddWeightedRow<VW, NC>(acc, S, R, r, j0, n, X + int64_t{r} * H, H, lane);
+    StoreHeadGroup<VW, NC>(sm + L.slot + warp * nh, acc, H, j0, n, lane);
   }
   __syncthreads();
   float* prow = part + (int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * nh;
