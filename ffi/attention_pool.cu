@@ -47,15 +47,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kStageUnroll = 8;  // loads each thread keeps in flight while staging rows into shared memory
 constexpr int kHeadGroup = 4;    // heads whose per-lane vectors a warp holds in registers at once
 
-__device__ __forceinline__ float ToFloat(float x) { return x; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void Store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void Store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-
-// Group i of four consecutive elements (16-byte aligned for float, 8-byte for bfloat16), as floats.
-__device__ __forceinline__ float4 Load4(const float* __restrict__ p, int i) {
-  return __ldg(reinterpret_cast<const float4*>(p) + i);
-}
+// Group i of four consecutive bfloat16 elements (8-byte aligned), as floats.
 __device__ __forceinline__ float4 Load4(const __nv_bfloat16* __restrict__ p, int i) {
   const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p) + i);
   const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
@@ -125,8 +117,6 @@ __device__ __forceinline__ float WarpSum4(float p0, float p1, float p2, float p3
   k += __shfl_xor_sync(0xffffffffu, k, 1);
   return k;
 }
-
-__host__ __device__ inline int64_t Round4(int64_t x) { return (x + 3) & ~int64_t{3}; }
 
 // Shared-memory layout in floats for G samples of T steps (R = G T rows), n heads, H features, rows of H floats;
 // every region starts 16-byte aligned. jaxfox/attention.py _smem_bytes computes the same size.
@@ -203,7 +193,7 @@ __device__ __forceinline__ void StageRows(float* dst, const __nv_bfloat16* __res
 #pragma unroll
       for (int k = 0; k < kStageUnroll; ++k) {
         const int i = base + k * kThreads;
-        if (i < total) v[k] = ToFloat(src[i]);
+        if (i < total) v[k] = __bfloat162float(src[i]);
       }
 #pragma unroll
       for (int k = 0; k < kStageUnroll; ++k) {

@@ -189,6 +189,7 @@ __device__ __forceinline__ void CpAsyncWaitGroup() { asm volatile("cp.async.wait
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 __host__ __device__ inline int Round4(int v) { return (v + 3) & ~3; }
+__host__ __device__ inline int64_t Round4(int64_t v) { return (v + 3) & ~int64_t{3}; }
 
 // Offsets (floats) of one GRN's parameters in its flat row, in the order of jaxfox/grn.py _FLAT_KEYS
 // (w2, b2, w1, b1, w4, b4, w5, b5, [ws, bs when the input width I != O], gamma, beta; each leaf row-major).

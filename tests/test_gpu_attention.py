@@ -117,14 +117,14 @@ CASES = [  # B, T, H, n, mask kind (a block holds G = max(1, 64 // T) samples)
     (37, 16, 64, 4, "mixed"),     # 4 samples a block (the aux trainer's widths), the last block partial
     (1100, 4, 8, 2, "mixed"),     # 16 samples a block, 69 blocks
     (5, 37, 24, 3, "mixed"),
-    (4, 150, 128, 4, "mixed"),    # one sample of 150 rows a block: 85 KiB of shared memory (above 48 KiB)
+    (4, 150, 128, 4, "mixed"),    # one sample of 150 rows a block: 100 KiB of shared memory (above 96 KiB)
     (3, 10, 130, 2, "mixed"),     # H % 4 != 0: 2 columns a lane, 3 of 4 chunks of 64, the third partial
     (5, 12, 96, 4, "mixed"),      # 2 columns a lane, 2 chunks of 64, the second half-used
     (3, 10, 30, 2, "mixed"),      # H % 4 != 0, one chunk (lanes 30, 31 idle)
     (3, 20, 264, 4, "mixed"),     # H > 256: 3 of 4 column chunks a lane, the third partial
     (6, 16, 16, 16, "mixed"),     # d_head = 1
     (6, 16, 64, 1, "none"),       # one head
-    (2, 1, 128, 4, "none"),       # T = 1: up to 36 samples a block (what fits), 2 of them here
+    (2, 1, 128, 4, "none"),       # T = 1: up to 30 samples a block (what fits), 2 of them here
 ]
 
 
