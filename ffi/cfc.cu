@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "tensor_core.h"
 
 namespace cg = cooperative_groups;
 
@@ -1396,97 +1397,158 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-sample weight gradient: partials[sb, out_off + k * N + n] = sum_t A(t, k) * D(t, n) for
-// k in [0, K), and row K the bias gradient sum_t D(t, n) (summed by the first k-tile's top threads, so
-// the bias adds no k-tile: K = 128 took 3 tiles of 64 with one), t summed in increasing order in chunks of 16.
+// Per-sample weight gradient: partials[sb, out_off + k * N + n] = sum_t A(t, k) D(t, n) for k in [0, K), and
+// row K the bias gradient sum_t D(t, n) (plain float32 adds, t in increasing order).
 struct GradGemm {
   int K, N;
   int a_layer;      // -1: A = z_t = [x_t, h_{t-1}]; else acts of that layer
   int d_ld, d_off;  // D(t, n) = dsrc[row * d_ld + d_off + n]
   int64_t out_off;
+  int vec;          // 1: every row offset and width is a multiple of 4 (16-byte copies)
 };
 
-constexpr int kTile = 64, kTT = 16;
+// The products run on the tensor cores in 3xTF32 (each operand split into a TF32 high part and a TF32 low
+// part, acc += a_lo b_hi + a_hi b_lo + a_hi b_hi, float32 accumulate; the dropped a_lo b_lo term is ~2^-22 of
+// a product: float32-class accuracy, as CUTLASS's 3xTF32 GEMMs), one CTA a sample and a kWgK x TN output tile;
+// 8 warps as 2 x 4, a warp 32 rows (k) x TN / 4 columns (n). Time steps are staged kWgTT at a time by cp.async
+// into a ring of kWgStages buffers (two chunks' copies in flight while one is multiplied, one barrier a chunk);
+// the row strides kWgK + 8 and TN + 8 = 8 (mod 32) make the fragment reads (A column-major, B row-major)
+// conflict-free.
+constexpr int kWgK = 64, kWgTT = 32, kWgStages = 3;
 
+template <int TN>
+struct WgradSmem {
+  static constexpr int kLdA = kWgK + 8, kLdD = TN + 8;
+  static constexpr int kA = kWgTT * kLdA, kD = kWgTT * kLdD;  // floats of one buffer
+  static constexpr int kBytes = kWgStages * (kA + kD) * int(sizeof(float));
+};
+
+template <int TN>
 __global__ void __launch_bounds__(256)
 cfc_wgrad_kernel(CfcDims d, GradGemm g, const float* __restrict__ xs, const float* __restrict__ h0,
                  const float* __restrict__ hs, const float* __restrict__ acts, const float* __restrict__ dsrc,
                  float* __restrict__ partials) {
-  __shared__ __align__(16) float As[2][kTT][kTile];  // double-buffered by chunk parity
-  __shared__ __align__(16) float Ds[2][kTT][kTile];
+  using L = WgradSmem<TN>;
+  extern __shared__ __align__(16) float wsm[];  // [kWgStages][kA] then [kWgStages][kD]
+  constexpr int kWN = TN / 4, kFN = kWN / 8;     // a warp's columns and n8 fragments
+  constexpr int kQa = kWgK / 4, kQd = TN / 4;    // column quads of a staged row
+  constexpr int kRa = kWgTT * kQa / 256, kRd = kWgTT * kQd / 256;  // quads a thread stages a chunk
+  static_assert(kRa * 256 == kWgTT * kQa && kRd * 256 == kWgTT * kQd, "staging does not tile over 256 threads");
   const int64_t sb = blockIdx.x;  // samples on x (up to 2^31 - 1), output tiles on y
-  const int ntn = (g.N + kTile - 1) / kTile;
-  const int k_base = (blockIdx.y / ntn) * kTile, n_base = (blockIdx.y % ntn) * kTile;
-  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+  const int ntn = (g.N + TN - 1) / TN;
+  const int k_base = (blockIdx.y / ntn) * kWgK, n_base = (blockIdx.y % ntn) * TN;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = warp >> 2, wc = warp & 3, gq = lane >> 2, t4 = lane & 3;
   const int T = int(d.T), I = d.I, H = d.H;
-  float acc[4][4] = {}, bacc[4] = {};
-  const bool bias = k_base == 0 && ty == 0;
-  // Chunk t0 .. t0 + kTT of A and D into buffer buf with cp.async (zeros outside the matrices); the next chunk's
-  // copies are in flight while the current chunk's products run (the sums are the same as without the overlap).
-  auto stage = [&](int t0, int buf) {
-#pragma unroll
-    for (int r = 0; r < (kTT * kTile) / 256; ++r) {
-      const int e = tid + r * 256, tt = e / kTile, kk = e % kTile;
-      const int t = t0 + tt, k = k_base + kk, n = n_base + kk;
-      const int64_t row = sb * T + t;
-      const bool a_ok = t < T && k < g.K, d_ok = t < T && n < g.N;
-      const float* asrc = dsrc;
-      if (a_ok) {
-        if (g.a_layer < 0) {
-          asrc = k < I ? xs + row * I + k : (t > 0 ? hs + (row - 1) * H + (k - I) : h0 + sb * H + (k - I));
-        } else {
-          asrc = acts + row * d.L * d.U + g.a_layer * d.U + k;
-        }
-      }
-      CpAsync4(&As[buf][tt][kk], asrc, a_ok);
-      CpAsync4(&Ds[buf][tt][kk], d_ok ? dsrc + row * g.d_ld + g.d_off + n : dsrc, d_ok);
-    }
-    CpAsyncCommit();
+  // A(t, k) for k < K: the source address (valid t and k only).
+  auto a_src = [&](int64_t row, int t, int k) -> const float* {
+    if (g.a_layer < 0) return k < I ? xs + row * I + k : (t > 0 ? hs + (row - 1) * H + (k - I) : h0 + sb * H + (k - I));
+    return acts + row * d.L * d.U + g.a_layer * d.U + k;
   };
-  stage(0, 0);
-  for (int t0 = 0, buf = 0; t0 < T; t0 += kTT, buf ^= 1) {
-    if (t0 + kTT < T) {
-      stage(t0 + kTT, buf ^ 1);  // the buffer the previous chunk read (all reads done: the barrier below)
-      CpAsyncWaitGroup<1>();
+  auto d_src = [&](int64_t row, int n) { return dsrc + row * g.d_ld + g.d_off + n; };
+  // One staged quad: 4 columns from col of row t (zeros outside the matrix).
+  auto copy_quad = [&](float* dst, int t, int col, int lim, bool is_a) {
+    const int64_t row = sb * T + t;
+    if (g.vec) {
+      const bool ok = t < T && col < lim;
+      CpAsync16(dst, !ok ? dsrc : is_a ? a_src(row, t, col) : d_src(row, col), ok);
     } else {
-      CpAsyncWaitAll();
-    }
-    __syncthreads();
 #pragma unroll
-    for (int tt = 0; tt < kTT; ++tt) {
-      const float4 a4 = *reinterpret_cast<const float4*>(&As[buf][tt][ty * 4]);
-      const float4 d4 = *reinterpret_cast<const float4*>(&Ds[buf][tt][tx * 4]);
-      const float av[4] = {a4.x, a4.y, a4.z, a4.w}, dv[4] = {d4.x, d4.y, d4.z, d4.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int jn = 0; jn < 4; ++jn) acc[i][jn] = fmaf(av[i], dv[jn], acc[i][jn]);
-      if (bias) {
-#pragma unroll
-        for (int jn = 0; jn < 4; ++jn) bacc[jn] += dv[jn];
+      for (int i = 0; i < 4; ++i) {
+        const bool ok = t < T && col + i < lim;
+        CpAsync4(dst + i, !ok ? dsrc : is_a ? a_src(row, t, col + i) : d_src(row, col + i), ok);
       }
     }
-    __syncthreads();
+  };
+  auto stage = [&](int chunk) {
+    const int buf = chunk % kWgStages, t0 = chunk * kWgTT;
+    float* As = wsm + buf * L::kA;
+    float* Ds = wsm + kWgStages * L::kA + buf * L::kD;
+#pragma unroll
+    for (int r = 0; r < kRa; ++r) {
+      const int e = tid + r * 256, tt = e / kQa, c = 4 * (e % kQa);
+      copy_quad(As + tt * L::kLdA + c, t0 + tt, k_base + c, g.K, true);
+    }
+#pragma unroll
+    for (int r = 0; r < kRd; ++r) {
+      const int e = tid + r * 256, tt = e / kQd, c = 4 * (e % kQd);
+      copy_quad(Ds + tt * L::kLdD + c, t0 + tt, n_base + c, g.N, false);
+    }
+  };
+  float acc[2][kFN][4] = {};
+  float bacc = 0.f;
+  const bool bias = k_base == 0 && tid < TN;  // the bias row: thread n of the first k-tile sums column n
+  const int chunks = (T + kWgTT - 1) / kWgTT;
+  // Prologue: chunks 0 .. kWgStages - 2 in flight, one commit group each (empty groups past the end keep the
+  // group count, and so the wait below, the same for every chunk).
+#pragma unroll
+  for (int c = 0; c < kWgStages - 1; ++c) {
+    if (c < chunks) stage(c);
+    CpAsyncCommit();
   }
+  for (int c = 0; c < chunks; ++c) {
+    CpAsyncWaitGroup<kWgStages - 2>();  // chunk c has landed (this thread's copies) ...
+    __syncthreads();                    // ... everyone's; and every warp is done with chunk c - 1's buffer
+    if (c + kWgStages - 1 < chunks) stage(c + kWgStages - 1);  // into chunk c - 1's buffer
+    CpAsyncCommit();
+    const int buf = c % kWgStages;
+    const float* As = wsm + buf * L::kA;
+    const float* Ds = wsm + kWgStages * L::kA + buf * L::kD;
+#pragma unroll
+    for (int ks = 0; ks < kWgTT / 8; ++ks) {
+      const int r0 = 8 * ks + t4, r1 = r0 + 4;
+      uint32_t ah[2][4], al[2][4], bh[kFN][2], bl[kFN][2];
+      auto split = [](float x, uint32_t& hi, uint32_t& lo) {
+        const float h = Tf32(x);
+        hi = __float_as_uint(h);
+        lo = __float_as_uint(Tf32(x - h));
+      };
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int k = wr * 32 + i * 16 + gq;
+        split(As[r0 * L::kLdA + k], ah[i][0], al[i][0]);
+        split(As[r0 * L::kLdA + k + 8], ah[i][1], al[i][1]);
+        split(As[r1 * L::kLdA + k], ah[i][2], al[i][2]);
+        split(As[r1 * L::kLdA + k + 8], ah[i][3], al[i][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < kFN; ++j) {
+        const int n = wc * kWN + j * 8 + gq;
+        split(Ds[r0 * L::kLdD + n], bh[j][0], bl[j][0]);
+        split(Ds[r1 * L::kLdD + n], bh[j][1], bl[j][1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < kFN; ++j) {
+          Mma1688(acc[i][j], al[i], bh[j]);
+          Mma1688(acc[i][j], ah[i], bl[j]);
+          Mma1688(acc[i][j], ah[i], bh[j]);
+        }
+    }
+    if (bias) {
+#pragma unroll 8
+      for (int tt = 0; tt < kWgTT; ++tt) bacc += Ds[tt * L::kLdD + tid];
+    }
+  }
+  CpAsyncWaitAll();  // only empty groups are left; no copy outlives the kernel
   float* out = partials + sb * d.P + g.out_off;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int k = k_base + ty * 4 + i;
-    if (k >= g.K) continue;
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int jn = 0; jn < 4; ++jn) {
-      const int n = n_base + tx * 4 + jn;
-      if (n < g.N) out[int64_t(k) * g.N + n] = acc[i][jn];
-    }
-  }
-  if (bias) {
+    for (int j = 0; j < kFN; ++j)
 #pragma unroll
-    for (int jn = 0; jn < 4; ++jn) {
-      const int n = n_base + tx * 4 + jn;
-      if (n < g.N) out[int64_t(g.K) * g.N + n] = bacc[jn];
-    }
-  }
+      for (int q = 0; q < 4; ++q) {
+        const int k = k_base + wr * 32 + i * 16 + gq + (q >> 1) * 8;
+        const int n = n_base + wc * kWN + j * 8 + 2 * t4 + (q & 1);
+        if (k < g.K && n < g.N) out[int64_t(k) * g.N + n] = acc[i][j][q];
+      }
+  if (bias && n_base + tid < g.N) out[int64_t(g.K) * g.N + n_base + tid] = bacc;
 }
+
+// The weight-gradient tile's width: 128 columns for the wide heads matrix (4 H columns; H100 at B=32 T=256 H=128,
+// NH = 512: 32.0 us against 39.2 us with 64) halve its A operand's reads; 64 otherwise (more CTAs).
+int WgradTileN(int N) { return N >= 512 ? 128 : 64; }
 
 // ---------------------------------------------------------------------------------------------
 // Host side.
@@ -1785,9 +1847,17 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   // Weight-gradient partials, one launch per matrix (backbone layers, then the heads; its bias is the extra
   // row K), samples on grid x and output tiles on grid y (<= 65535): the grids are checked before any launch.
   GradGemm wg[kMaxLayers + 1];
-  for (int l = 0; l < d.L; ++l) wg[l] = GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l]};
-  wg[d.L] = GradGemm{d.Kh, d.NH, d.L - 1, d.NH, 0, d.off_hw};
-  auto wgrad_tiles = [](const GradGemm& g) { return CeilDiv(g.K, kTile) * CeilDiv(g.N, kTile); };
+  for (int l = 0; l < d.L; ++l) wg[l] = GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l], 0};
+  wg[d.L] = GradGemm{d.Kh, d.NH, d.L - 1, d.NH, 0, d.off_hw, 0};
+  auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool aligned16 = al16(xs.typed_data()) && al16(h0.typed_data()) && al16(hs.typed_data()) &&
+                         al16(acts.typed_data()) && al16(dpre_bb->typed_data()) && al16(dpre_h->typed_data());
+  for (int l = 0; l <= d.L; ++l) {
+    // 16-byte copies when every row start and width the kernel reads is a multiple of 4 floats.
+    const bool a4 = wg[l].a_layer < 0 ? d.I % 4 == 0 && d.H % 4 == 0 : (d.L * d.U) % 4 == 0 && d.U % 4 == 0;
+    wg[l].vec = a4 && aligned16 && wg[l].K % 4 == 0 && wg[l].N % 4 == 0 && wg[l].d_ld % 4 == 0 && wg[l].d_off % 4 == 0;
+  }
+  auto wgrad_tiles = [](const GradGemm& g) { return CeilDiv(g.K, kWgK) * CeilDiv(g.N, WgradTileN(g.N)); };
   for (int l = 0; l <= d.L; ++l) {
     if (wgrad_tiles(wg[l]) > 65535) {
       return InvalidArgument("cfc_bwd: weight matrix " + std::to_string(wg[l].K) + " x " + std::to_string(wg[l].N) +
@@ -1820,8 +1890,16 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd recurrence"));
   for (int l = 0; l <= d.L; ++l) {
     dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(wgrad_tiles(wg[l])));
-    cfc_wgrad_kernel<<<grid, 256, 0, stream>>>(d, wg[l], px, h0.typed_data(), hs.typed_data(), pa,
-                                               l < d.L ? gbb : gph, part);
+    const float* dsrc = l < d.L ? gbb : gph;
+    if (WgradTileN(wg[l].N) == 128) {
+      JAXFOX_RETURN_IF_ERROR(AllowLargeSmem(reinterpret_cast<const void*>(cfc_wgrad_kernel<128>)));
+      cfc_wgrad_kernel<128><<<grid, 256, WgradSmem<128>::kBytes, stream>>>(d, wg[l], px, h0.typed_data(),
+                                                                           hs.typed_data(), pa, dsrc, part);
+    } else {
+      JAXFOX_RETURN_IF_ERROR(AllowLargeSmem(reinterpret_cast<const void*>(cfc_wgrad_kernel<64>)));
+      cfc_wgrad_kernel<64><<<grid, 256, WgradSmem<64>::kBytes, stream>>>(d, wg[l], px, h0.typed_data(),
+                                                                         hs.typed_data(), pa, dsrc, part);
+    }
   }
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd weight gradients"));
   return LaunchReduceAxis0(stream, part, V, B, d.P, chunks, reduce_ws->typed_data(), dw->typed_data());
