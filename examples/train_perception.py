@@ -261,10 +261,12 @@ def main(argv=None) -> dict:
     print(f"CfC kernels used: {kernels}" + ("" if kernels else f" ({reason})"))
     if args.model == "full":
         names = list(data.feature_names)
-        print(f"\nVSN mean variable weights (best epoch, test windows, mean over windows and days; uniform "
-              f"1/m = {1.0 / m:.4f}), top 10:")
-        for i in np.argsort(-w_test)[:10]:
-            print(f"  {names[i]:28s} {w_test[i]:.4f}  (validation {w_val[i]:.4f})")
+        print(f"\nVSN mean variable weights, all {m} (best epoch, test windows, mean over windows and days; "
+              f"uniform 1/m = {1.0 / m:.4f}), largest first, test (validation):")
+        width = max(len(s) for s in names)
+        cells = [f"{names[i]:{width}s} {w_test[i]:.4f} ({w_val[i]:.4f})" for i in np.argsort(-w_test)]
+        for row in range(0, len(cells), 3):
+            print("  " + "   ".join(cells[row:row + 3]))
 
     metrics = {
         "args": vars(args), "n_params": n_params, "platform": jax.devices()[0].platform,

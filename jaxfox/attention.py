@@ -81,9 +81,10 @@ def attention_pool_init(key, hidden_size, *, num_heads=4, dtype=jnp.float32):
       dtype: float32 (the kernels' parameter dtype).
 
     Returns:
-      dict ``{"q": [H], "w_k": [H, H], "w_v": [H, H], "w_o": [H, H], "b_o": [H]}``, matrices as
-      [in, out] (``x @ W``). The number of heads is not stored: pass the same ``num_heads`` to
-      :func:`attention_pool`.
+      dict ``{"q": [n, d], "w_k": [H, H], "w_v": [H, H], "w_o": [H, H], "b_o": [H]}``, matrices as
+      [in, out] (``x @ W``); the query is stored per head (row j is head j's d = H / n query features, the
+      columns j d .. j d + d - 1 of the [1, H] seed vector), so the parameters record the number of heads and
+      :func:`attention_pool` reads it from them.
 
     Raises:
       ValueError: hidden_size or num_heads is not a positive int, or num_heads does not divide H.
@@ -95,7 +96,7 @@ def attention_pool_init(key, hidden_size, *, num_heads=4, dtype=jnp.float32):
     mat = lambda k: jax.random.uniform(k, (H, H), dtype, -bound, bound)  # noqa: E731
     qb = math.sqrt(6.0 / (1 + H))
     return {
-        "q": jax.random.uniform(kq, (H,), dtype, -qb, qb),
+        "q": jax.random.uniform(kq, (H,), dtype, -qb, qb).reshape(num_heads, H // num_heads),
         "w_k": mat(kk),
         "w_v": mat(kv),
         "w_o": mat(ko),
@@ -117,15 +118,25 @@ def _check_array(name, x, shape, dtypes):
         raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
 
 
-def _check_params(params, H):
+def _check_params(params, H, num_heads):
+    """Checks params against hs's H; returns the number of heads n (params['q'] is [n, H / n])."""
     if not isinstance(params, dict) or any(k not in params for k in _PARAM_KEYS):
         raise ValueError(f"params must be the dict returned by attention_pool_init (keys {_PARAM_KEYS}), "
                          f"got {sorted(params) if isinstance(params, dict) else type(params).__name__}")
     f32 = (jnp.dtype(jnp.float32),)
-    _check_array("params['q']", params["q"], (H,), f32)
+    q = params["q"]
+    _check_array("params['q']", q, tuple(getattr(q, "shape", ())), f32)  # an array, float32
+    if len(q.shape) != 2 or q.shape[0] < 1 or q.shape[0] * q.shape[1] != H:
+        raise ValueError(f"params['q'] must have shape [num_heads, H / num_heads] with H = {H} (hs's features), "
+                         f"got {tuple(q.shape)}")
+    n = q.shape[0]
+    if num_heads is not None and _check_heads(H, num_heads) != n:
+        raise ValueError(f"num_heads={num_heads} does not match the params, which were made for {n} heads "
+                         f"(params['q'] has shape {tuple(q.shape)}); num_heads may be left out")
     for k in ("w_k", "w_v", "w_o"):
         _check_array(f"params[{k!r}]", params[k], (H, H), f32)
     _check_array("params['b_o']", params["b_o"], (H,), f32)
+    return n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,12 +305,12 @@ def _dispatch(cfg, params, hs, mask):
     return dispatch(cuda, reference, params, hs, mask, batch=(False, True, True))
 
 
-def attention_pool(params, hs, mask=None, *, num_heads=4):
+def attention_pool(params, hs, mask=None, *, num_heads=None):
     """Pools a sequence with multi-head attention from one learned query: hs [B, T, H] -> [B, H].
 
     Args:
-      params: from :func:`attention_pool_init` (``q`` [H], ``w_k``/``w_v``/``w_o`` [H, H] as
-        [in, out], ``b_o`` [H]; all float32).
+      params: from :func:`attention_pool_init` (``q`` [n, d] (n heads of d = H / n features: the number of
+        heads comes from its shape), ``w_k``/``w_v``/``w_o`` [H, H] as [in, out], ``b_o`` [H]; all float32).
       hs: [B, T, H] float32 or bfloat16 (B samples, T time steps, H features). bfloat16 inputs are
         converted to float32 before any arithmetic (projections, softmax and sums are float32).
       mask: [B, T] bool, True where a step is valid, or None (all valid; with T = 0 no step is, so pooled is 0).
@@ -307,8 +318,7 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
         them with small finite values such as 0 (a NaN or Inf at a masked step makes the sample's pooled NaN; so
         may a value so large that a product with the weights overflows float32: the reference forms h_t W_v, the
         factored form does not, so the two paths can differ there).
-      num_heads: n, must divide H and match the ``num_heads`` the params were made for (the
-        parameter shapes do not record it).
+      num_heads: optional check: when given, it must equal the params' number of heads (``q.shape[0]``).
 
     Returns:
       (pooled, alpha): pooled [B, H] float32; alpha [B, n, T] float32, the attention weights of each
@@ -328,7 +338,8 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
     Raises:
       TypeError: hs is not float32/bfloat16, mask is not bool, or a parameter is not float32.
       ValueError: a shape does not match (the message names the argument, the expected and the
-        actual shape), params is not an attention_pool_init dict, or num_heads does not divide H.
+        actual shape), params is not an attention_pool_init dict, or num_heads is given and differs from
+        the params' number of heads.
     """
     if not hasattr(hs, "shape") or not hasattr(hs, "dtype"):
         raise TypeError(f"hs must be an array, got {type(hs).__name__}")
@@ -338,8 +349,7 @@ def attention_pool(params, hs, mask=None, *, num_heads=4):
     _check_array("hs", hs, (B, T, H), _HS_DTYPES)
     if H < 1:
         raise ValueError(f"hs must have H >= 1 features, got shape {tuple(hs.shape)}")
-    n = _check_heads(H, num_heads)
-    _check_params(params, H)
+    n = _check_params(params, H, num_heads)
     if mask is not None:
         _check_array("mask", mask, (B, T), (jnp.dtype(jnp.bool_),))
     return _dispatch(_Config(H, n, _samples_per_block(T, H, n)), params, hs, mask)

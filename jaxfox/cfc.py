@@ -410,6 +410,10 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
     two TF32 parts, three products; float32-class accuracy, as CUTLASS's 3xTF32 GEMMs; the bias gradients are
     plain float32 sums), within 1e-5 of the float32 reference at ``default_matmul_precision("highest")``.
 
+    Source: Hasani et al. 2022, "Closed-form continuous-time neural networks", the CfC equations as ncps's
+    PyTorch ``CfCCell`` computes them (mlech26l/ncps ``ncps/torch/cfc_cell.py``; the module docstring writes
+    them out), scanned over T as ncps's ``CfC`` layer with ``batch_first=True``.
+
     Raises:
       TypeError: an argument has the wrong dtype (float32 expected).
       ValueError: wrong shape or rank (the message names the argument), unknown mode,
@@ -438,7 +442,26 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
 def cfc_cell(params, h, x, ts=1.0, *, mode="default"):
     """One CfC step: h [B, H], x [B, I], ts scalar or [B] -> h_next [B, H] (float32).
 
-    Same math, errors and differentiability as :func:`cfc_scan` with T = 1.
+    Same math, errors and differentiability as :func:`cfc_scan` with T = 1 (it runs ``cfc_scan`` on one step).
+
+    Args:
+      params: from :func:`cfc_init` (same ``mode``).
+      h: [B, H] float32, the state before the step.
+      x: [B, I] float32, the step's input.
+      ts: the step's elapsed time in bars, a scalar or [B]; >= 0 and finite (as :func:`cfc_scan`).
+      mode: "default", "no_gate" or "pure".
+
+    Returns:
+      h_next [B, H] float32.
+
+    Source: Hasani et al. 2022 (Nature Machine Intelligence), as ncps's PyTorch ``CfCCell.forward``
+    (module docstring).
+
+    Raises:
+      TypeError: x or h is not a float32 array.
+      ValueError: x or h is not 2-D or does not match the params' sizes (the message names the argument), ts is
+        not a scalar or [B], unknown mode, params that do not match the mode, or a negative, NaN or infinite
+        concrete ts.
     """
     for name, a, want in (("x", x, "[B, I]"), ("h", h, "[B, H]")):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):

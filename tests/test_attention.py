@@ -51,7 +51,7 @@ def np_attention_pool(params, hs, mask, num_heads):
         pv = np.zeros(H)
         for j in range(n):
             cols = slice(j * d, (j + 1) * d)
-            s = K[valid][:, cols] @ p["q"][cols] / math.sqrt(d)
+            s = K[valid][:, cols] @ p["q"].reshape(-1)[cols] / math.sqrt(d)
             e = np.exp(s - s.max())
             a = e / e.sum()
             alpha[b, j, valid] = a
@@ -289,13 +289,13 @@ def _large_logit_case(kind):
     hs = rng.standard_normal((B, T, H)).astype(np.float32)
     t = np.arange(T, dtype=np.float32)
     if kind == "q":
-        params["q"] = jnp.asarray([16384.0, 0, 0, 0, -16384.0, 0, 0, 0], jnp.float32)  # s_j = +-8192 h[4 j]
+        params["q"] = jnp.asarray([[16384.0, 0, 0, 0], [-16384.0, 0, 0, 0]], jnp.float32)  # s_j = +-8192 h[4 j]
         hs[0, :, 0] = 1 - t / 8192         # head 0 scores 8192 - t
         hs[0, :, 4] = 1 - t / 16384        # head 1 scores -8192 + t / 2
         hs[1, :, 0] = np.where(t % 2 == 0, 1.25, -1.25)   # +-10240: saturated
         hs[1, :, 4] = np.where(t < 3, 1.0, 1 - 1 / 8192)
     else:
-        params["q"] = jnp.asarray([2.0, 0, 0, 0, 2.0, 0, 0, 0], jnp.float32)         # s_j = h[4 j]
+        params["q"] = jnp.asarray([[2.0, 0, 0, 0], [2.0, 0, 0, 0]], jnp.float32)       # s_j = h[4 j]
         hs[0, :, 0] = 1e4 - t
         hs[0, :, 4] = -1e4 + 0.5 * t
         hs[1, :, 0] = np.where(t % 2 == 0, 1e4, -1e4)
@@ -456,7 +456,11 @@ def test_errors():
     _bad(lambda: ap(params, np.asarray(hs, np.float64), mask), TypeError, "hs", "float64")
     _bad(lambda: ap(params, hs[0], mask), ValueError, "hs", "[B, T, H]", "(5, 8)")
     _bad(lambda: ap(params, [[1.0]], mask), TypeError, "hs")
-    _bad(lambda: ap(params, hs[..., :6], mask), ValueError, "params['q']", "[6]", "(8,)")
+    _bad(lambda: ap(params, hs[..., :6], mask), ValueError, "params['q']", "[num_heads, H / num_heads]", "H = 6",
+         "(2, 4)")
+    _bad(lambda: ap({**params, "q": params["q"].reshape(8)}, hs, mask), ValueError, "params['q']", "(8,)")
+    _bad(lambda: ap({**params, "q": params["q"].astype(jnp.bfloat16)}, hs, mask), TypeError, "params['q']", "float32")
+    _bad(lambda: attention_pool(params, hs, mask, num_heads=4), ValueError, "num_heads=4", "2 heads")
     _bad(lambda: attention_pool(params, hs, mask, num_heads=3), ValueError, "num_heads", "8")
     _bad(lambda: attention_pool(params, hs, mask, num_heads=0), ValueError, "num_heads")
     _bad(lambda: attention_pool(params, hs, mask, num_heads=2.0), ValueError, "num_heads")
@@ -472,12 +476,32 @@ def test_errors():
 
 
 # ----------------------------------------------------------------------------------------------
+# The number of heads comes from the parameters.
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_heads_from_params(n):
+    """attention_pool(params, hs, mask) as issue 3 writes it (no num_heads): params made for n heads pool with n
+    heads (the float64 oracle with n heads), and num_heads=n given explicitly gives the same result."""
+    B, T, H = 3, 5, 16
+    params = random_params(H, n, seed=7)
+    assert params["q"].shape == (n, H // n)
+    hs = np.random.default_rng(8).standard_normal((B, T, H)).astype(np.float32)
+    mask = random_mask(B, T, seed=9)
+    pooled, alpha = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask))
+    want_p, want_a = np_attention_pool(params, hs, mask, n)
+    assert alpha.shape == (B, n, T)
+    _assert_f32_close(pooled, want_p)
+    _assert_f32_close(alpha, want_a)
+    pooled2, alpha2 = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
+    assert np.array_equal(np.asarray(pooled2), np.asarray(pooled)) and np.array_equal(np.asarray(alpha2), np.asarray(alpha))
+
+
+# ----------------------------------------------------------------------------------------------
 # Init.
 def test_init():
     H = 16
     p = attention_pool_init(jax.random.key(3), H, num_heads=4)
     assert set(p) == set(KEYS)
-    assert p["q"].shape == (H,) and p["b_o"].shape == (H,)
+    assert p["q"].shape == (4, H // 4) and p["b_o"].shape == (H,)
     for k in ("w_k", "w_v", "w_o"):
         w = np.asarray(p[k])
         assert w.shape == (H, H) and w.dtype == np.float32

@@ -47,7 +47,7 @@ def _cfc(B):
 
 
 def _attention(B):
-    params = jaxfox.attention_pool_init(jax.random.key(2), 8, num_heads=2)
+    params = jaxfox.attention_pool_init(jax.random.key(2), 8, num_heads=4)  # d u is [H n] = [32]: not 16 or 4
     hs = jax.random.normal(jax.random.key(3), (B, 6, 8))
     mask = jax.random.bernoulli(jax.random.key(4), 0.7, (B, 6))
     return (lambda p, h, m: jaxfox.attention_pool(p, h, m)), params, (hs, mask)

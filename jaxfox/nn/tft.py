@@ -133,7 +133,8 @@ class AttentionPool(nnx.Module):
       hidden_size: H.  num_heads: n (must divide H).
       rngs: ``nnx.Rngs``; the ``params`` stream seeds :func:`jaxfox.attention.attention_pool_init`.
 
-    Attributes (``nnx.Param``, float32): ``q`` [H], ``w_k``/``w_v``/``w_o`` [H, H] ([in, out]), ``b_o`` [H].
+    Attributes (``nnx.Param``, float32): ``q`` [n, H / n] (the query, a row per head), ``w_k``/``w_v``/``w_o``
+    [H, H] ([in, out]), ``b_o`` [H].
 
     Raises:
       ValueError: hidden_size / num_heads not positive ints, or num_heads does not divide H.
