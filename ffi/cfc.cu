@@ -1849,9 +1849,9 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   GradGemm wg[kMaxLayers + 1];
   for (int l = 0; l < d.L; ++l) wg[l] = GradGemm{d.Kl(l), d.U, l - 1, d.L * d.U, l * d.U, d.off_w[l], 0};
   wg[d.L] = GradGemm{d.Kh, d.NH, d.L - 1, d.NH, 0, d.off_hw, 0};
-  auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool aligned16 = al16(xs.typed_data()) && al16(h0.typed_data()) && al16(hs.typed_data()) &&
-                         al16(acts.typed_data()) && al16(dpre_bb->typed_data()) && al16(dpre_h->typed_data());
+  const bool aligned16 = Aligned(xs.typed_data(), 16) && Aligned(h0.typed_data(), 16) && Aligned(hs.typed_data(), 16) &&
+                         Aligned(acts.typed_data(), 16) && Aligned(dpre_bb->typed_data(), 16) &&
+                         Aligned(dpre_h->typed_data(), 16);
   for (int l = 0; l <= d.L; ++l) {
     // 16-byte copies when every row start and width the kernel reads is a multiple of 4 floats.
     const bool a4 = wg[l].a_layer < 0 ? d.I % 4 == 0 && d.H % 4 == 0 : (d.L * d.U) % 4 == 0 && d.U % 4 == 0;
@@ -1890,16 +1890,15 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd recurrence"));
   for (int l = 0; l <= d.L; ++l) {
     dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(wgrad_tiles(wg[l])));
-    const float* dsrc = l < d.L ? gbb : gph;
-    if (WgradTileN(wg[l].N) == 128) {
-      JAXFOX_RETURN_IF_ERROR(AllowLargeSmem(reinterpret_cast<const void*>(cfc_wgrad_kernel<128>)));
-      cfc_wgrad_kernel<128><<<grid, 256, WgradSmem<128>::kBytes, stream>>>(d, wg[l], px, h0.typed_data(),
-                                                                           hs.typed_data(), pa, dsrc, part);
-    } else {
-      JAXFOX_RETURN_IF_ERROR(AllowLargeSmem(reinterpret_cast<const void*>(cfc_wgrad_kernel<64>)));
-      cfc_wgrad_kernel<64><<<grid, 256, WgradSmem<64>::kBytes, stream>>>(d, wg[l], px, h0.typed_data(),
-                                                                         hs.typed_data(), pa, dsrc, part);
-    }
+    auto launch = [&](auto tn) {
+      constexpr int TN = decltype(tn)::value;
+      JAXFOX_RETURN_IF_ERROR(PrepareSmem("cfc_bwd weight gradients", cfc_wgrad_kernel<TN>, WgradSmem<TN>::kBytes));
+      cfc_wgrad_kernel<TN><<<grid, 256, WgradSmem<TN>::kBytes, stream>>>(d, wg[l], px, h0.typed_data(), hs.typed_data(),
+                                                                         pa, l < d.L ? gbb : gph, part);
+      return ffi::Error::Success();
+    };
+    JAXFOX_RETURN_IF_ERROR(WgradTileN(wg[l].N) == 128 ? launch(std::integral_constant<int, 128>{})
+                                                      : launch(std::integral_constant<int, 64>{}));
   }
   JAXFOX_RETURN_IF_ERROR(LastCudaError("cfc_bwd weight gradients"));
   return LaunchReduceAxis0(stream, part, V, B, d.P, chunks, reduce_ws->typed_data(), dw->typed_data());

@@ -120,6 +120,9 @@ ffi::Error PrepareSmem(const char* op, Kernel kernel, int64_t bytes) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whether p is a multiple of n bytes (vector loads and 16-byte cp.async need 16).
+inline bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
 // Device helpers shared by the kernels. WarpSum / WarpMax: butterfly reductions over the 32 lanes of a warp
 // (every lane must be active; each lane gets the result).
 __device__ __forceinline__ float WarpSum(float v) {

@@ -242,8 +242,6 @@ int BlocksPerSm(const void* kernel) {
   return n;
 }
 
-inline bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
-
 // One buffer of the call: its data, leading (vmap) element count and last dimension.
 struct Buf {
   void* data = nullptr;

@@ -349,7 +349,7 @@ ffi::Error CheckWorkspace(const ffi::ResultBuffer<ffi::F32>& ws, int64_t V, int6
     return InvalidArgument(std::string(who) + ": workspace has " + std::to_string(ws->element_count()) +
                            " elements, needs " + std::to_string(need));
   }
-  if (reinterpret_cast<uintptr_t>(ws->typed_data()) % alignof(double) != 0) {
+  if (!Aligned(ws->typed_data(), alignof(double))) {
     return InvalidArgument(std::string(who) + ": workspace is not 8-byte aligned");
   }
   return ffi::Error::Success();

@@ -130,9 +130,7 @@ ffi::Error LaunchReduceAxis0(cudaStream_t stream, const float* x, int64_t V, int
     return LastCudaError("reduce_axis0 (B = 0)");
   }
   if (chunks > 1 && workspace == nullptr) return InvalidArgument("reduce_axis0: chunks > 1 needs a workspace");
-  const bool aligned = (P % 4 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(out) % 16 == 0) &&
-                       (chunks == 1 || reinterpret_cast<uintptr_t>(workspace) % 16 == 0);
+  const bool aligned = (P % 4 == 0) && Aligned(x, 16) && Aligned(out, 16) && (chunks == 1 || Aligned(workspace, 16));
   return aligned ? LaunchTyped<float4>(stream, x, V, B, P, chunks, workspace, out)
                  : LaunchTyped<float>(stream, x, V, B, P, chunks, workspace, out);
 }
