@@ -23,6 +23,11 @@
 // with cfc_bwd_kernel and the run-time ones, on the H200) or cfc_bwd_kernel (any depth). A tiled
 // kernel then forms each sample's parameter-gradient partial sum_t input_t^T dpre_t (fixed t order)
 // into [B, P], and reduce_axis0 sums those over B.
+//
+// At the benchmark's geometry (L = 1, four heads, U = 128, C = 4, I = 48, H = 128; modes default / no_gate) the
+// recurrences run cfc_fwd_ar_kernel / cfc_bwd_ar_kernel instead (UseArForward / UseArBackward): one cluster exchange
+// a step, an all-reduce of partial sums, in place of the register kernels' two all-gathers; fwd+bwd 1.319 -> 1.018 ms
+// on the H100 (JAXFOX_CFC_ALLREDUCE=0 runs the register kernels there, for A/B timing and tests).
 #include <cooperative_groups.h>
 
 #include <cstdlib>
@@ -842,6 +847,158 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
 
+// ---------------------------------------------------------------------------------------------
+// Register forward with ONE cluster exchange a step (the bench geometry: L = 1, four heads, U = kNT / 2 backbone
+// units, this CTA's rows of z = [x_t, h_{t-1}] at most 2 kArRows, heads over KH x SH as cfc_fwd_reg_kernel<C, *, *,
+// KH, SH>). cfc_fwd_reg_kernel all-gathers z, computes its slice of the backbone units, all-gathers them and computes
+// its hidden units' heads: two exchanges a step. Here each CTA computes PARTIAL sums of ALL U backbone units from its
+// OWN rows of z (its inputs x0 .. x0 + Ic and its hidden units j0 .. j0 + Hc, which it computed itself the step
+// before), sends the partial vector to every rank (slot c of each rank's buffer), and every CTA adds the C partials in
+// rank order, forms all U activations itself, and computes its hidden units' heads: one exchange a step, the same
+// products. Thread (u, sp) = (tid / 2, tid % 2) holds W_1[row, u] for its split's kArRows rows. Buffers by step
+// parity: a CTA sends step t + 1's partial only after the barrier that follows its reads of step t's, and no CTA can
+// form step t + 2's partial before it has every CTA's step t + 1 partial, so two suffice.
+constexpr int kArRows = 24;  // own rows a split (two splits: Ic + Hc <= 48)
+
+struct ArLayout {
+  int zo, zo_ld;     // own rows of z by step parity, two splits of kArRows at SplitStride(kArRows)
+  int part;          // [2][C][U] partial vectors by step parity, slot = sender's rank
+  int act, act_s, act_ld;  // all U activations by step parity, in the heads' split layout (KH, act_s = SplitStride(KH))
+  int mbar;          // one mbarrier per step parity
+  int total;
+};
+
+template <int C, int KH, int SH>
+__global__ void __launch_bounds__(kNT, 1)
+cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArLayout lay, const float* __restrict__ xs,
+                  const float* __restrict__ ts, const float* __restrict__ h0, const float* __restrict__ wflat,
+                  float* __restrict__ hs, float* __restrict__ acts, float* __restrict__ pre) {
+  extern __shared__ __align__(16) float sm[];
+  constexpr int kS = (kArRows / 4) % 2 ? kArRows : kArRows + 4;  // SplitStride(kArRows): the own-row splits' stride
+  const int c = C == 1 ? 0 : int(blockIdx.x % C);
+  const int64_t sb = blockIdx.x / C;
+  const float* w = wflat + (sb / d.B) * d.P;
+  const Slice s = MakeSlice(d, c);
+  const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, NH = d.NH;
+  for (int i = tid; i < lay.mbar; i += kNT) sm[i] = 0.f;  // padding rows and splits read as 0
+  __syncthreads();
+  // Own row r of z: r < Ic is input x0 + r, Ic <= r < Ic + Hc hidden unit j0 + r - Ic (rows past this CTA's share
+  // stay 0 and have weight 0).
+  auto row_pos = [&](int r) { return r + (r / kArRows) * (kS - kArRows); };
+  auto z_row = [&](int r) { return r < d.Ic ? (r < s.Ice ? s.x0 + r : -1) : (r - d.Ic < s.Hce ? I + s.j0 + r - d.Ic : -1); };
+  for (int j = tid; j < s.Hce; j += kNT) sm[lay.zo + row_pos(d.Ic + j)] = h0[sb * H + s.j0 + j];  // parity 0
+
+  // Backbone item: unit u over the rows of split sp.
+  const int u = tid >> 1, sp = tid & 1;
+  float wb[kArRows];
+#pragma unroll
+  for (int k = 0; k < kArRows; ++k) {
+    const int zr = z_row(sp * kArRows + k);
+    wb[k] = zr >= 0 ? w[d.off_w[0] + int64_t(zr) * U + u] : 0.f;
+  }
+  const float bias_b = tid < U ? w[d.off_b[0] + tid] : 0.f;  // the act phase: thread u forms unit u
+  // Heads item, as cfc_fwd_reg_kernel's fixed geometry: lane sph of unit jj, four heads over inputs kh0 .. kh0 + KH.
+  const int jj = tid / SH, sph = tid - jj * SH, hq = SH >> 2, q = sph / hq;
+  const bool has_h = jj < s.Hce;
+  const int kh0 = sph * KH;
+  float wh[4 * KH];
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq)
+#pragma unroll
+    for (int k = 0; k < KH; ++k)
+      wh[qq * KH + k] = has_h && kh0 + k < U ? w[d.off_hw + int64_t(kh0 + k) * NH + qq * H + s.j0 + jj] : 0.f;
+  const float bias_h = has_h ? w[d.off_hb + q * H + s.j0 + jj] : 0.f;
+  const int pa = SplitPos(tid, KH, lay.act_s);  // where unit tid's activation lands (tid < U)
+  const int ph0 = sph * lay.act_s;
+  const int pz = row_pos(d.Ic + jj);                 // where this unit's h lands among the own rows
+
+  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
+  uint32_t rbase[C];
+#pragma unroll
+  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  const uint32_t bytes = uint32_t(4 * C * U);
+  if constexpr (C > 1) {
+    if (tid == 0) {
+      for (int par = 0; par < 2; ++par) {
+        MbarInit(mbar0 + 8 * par);
+        if (par < T) MbarExpect(mbar0 + 8 * par, bytes);
+      }
+      MbarInitFence();
+    }
+  }
+  const uint32_t bar_off = mbar0 - SmemAddr(sm);
+
+  const float* xrow = xs + sb * T * I + s.x0;
+  const float* tsp = ts + sb * T;
+  float* actp = acts + (sb * T) * U + tid;
+  float* prep = pre + (sb * T) * NH + q * H + s.j0 + jj;
+  float* hsp = hs + (sb * T) * H + s.j0 + jj;
+  float xnext = tid < s.Ice ? xrow[tid] : 0.f;
+  float tsnext = tsp[0];
+  const bool own_act = tid >= s.u0 && tid < s.u0 + s.Uce;  // the CTA that writes unit tid's activation
+  ClusterSync<C>();  // buffers zeroed, h0 staged, mbarriers initialised, every CTA running
+
+  for (int t = 0; t < T; ++t) {
+    const int par = t & 1;
+    float* zo = sm + lay.zo + par * lay.zo_ld;
+    const float tst = tsnext;
+    if (tid < s.Ice) zo[row_pos(tid)] = xnext;
+    if (t + 1 < T) {
+      if (tid < s.Ice) xnext = xrow[(t + 1) * I + tid];
+      tsnext = tsp[t + 1];
+    }
+    __syncthreads();  // own rows of z complete (x_t above, h_{t-1} at the end of the last step)
+    // Partial sums of all U units over this CTA's rows; lane sp == 0 sends the unit's to every rank.
+    float p = RegDot(zo + sp * kS, wb, kArRows);
+    p += __shfl_xor_sync(0xffffffffu, p, 1);
+    const int e = lay.part + (par * C + c) * U + u;
+    if (sp == 0) {
+      if constexpr (C == 1) {
+        sm[e] = p;
+      } else {
+#pragma unroll
+        for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, p, rbase[r] + bar_off + 8 * par);
+      }
+    }
+    if constexpr (C > 1) {
+      MbarWait(mbar0 + 8 * par, (t >> 1) & 1);
+      if (tid == 0 && t + 2 < T) MbarExpect(mbar0 + 8 * par, bytes);
+    } else {
+      __syncthreads();
+    }
+    // Every unit's activation, the C partials added in rank order.
+    if (tid < U) {
+      const float* pp = sm + lay.part + par * C * U + tid;
+      float acc = bias_b;
+#pragma unroll
+      for (int r = 0; r < C; ++r) acc += pp[r * U];
+      const float a = LecunTanh(acc);
+      sm[lay.act + par * lay.act_ld + pa] = a;
+      if (own_act) *actp = a;
+    }
+    __syncthreads();  // all U activations in place
+    float a4[4];
+    QuadDot<KH, KH>(sm + lay.act + par * lay.act_ld + ph0, wh, KH, a4);
+    const float hv = QuadSum(a4, sph, SH) + bias_h;
+    if (has_h && sph % hq == 0) *prep = hv;  // one lane a head
+    const float v3 = __shfl_down_sync(0xffffffffu, hv, hq);
+    const bool gate = q == 2;
+    const float th = tanhf(gate ? 0.5f * (hv * tst + v3) : hv);
+    const float f = gate ? fmaf(0.5f, th, 0.5f) : th;
+    const float f2 = __shfl_down_sync(0xffffffffu, f, hq);
+    const float g = __shfl_down_sync(0xffffffffu, f, 2 * hq);
+    const float h = d.mode == kNoGate ? f + g * f2 : f * (1.f - g) + g * f2;
+    if (has_h && q == 0 && sph == 0) {
+      *hsp = h;
+      if (t + 1 < T) sm[lay.zo + (par ^ 1) * lay.zo_ld + pz] = h;  // the next step's own row (read after its first barrier)
+    }
+    actp += U;
+    prep += NH;
+    hsp += H;
+  }
+  ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
+}
+
 // End of a backward scan, for hidden unit j of sample sb: dh0, and in pure mode the partials of A and w_tau
 // (the unit's sums over the steps).
 __device__ __forceinline__ void StoreUnitResults(const CfcDims& d, int64_t sb, int j, float dh_carry, float gA, float gtau,
@@ -1397,6 +1554,193 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 }
 
 // ---------------------------------------------------------------------------------------------
+// Register backward with ONE cluster exchange a step (the bench geometry of cfc_bwd_reg_kernel<C, *, *, K2, S2>:
+// L = 1, four heads, U = kNT / 2, modes default / no_gate). cfc_bwd_reg_kernel all-gathers the heads' gradients dph
+// (all NH entries) before its product (b) and the backbone gradients dpb before (c). Here each CTA forms PARTIAL sums
+// of (b) for ALL U backbone units from its OWN 4 Hc entries of dph (its hidden units' four heads, which it computed
+// itself), sends the partial vector (U floats, then its units' dts terms summed in unit order) to every rank, and every
+// CTA adds the C partials in rank order and forms dpb for all U units itself, so (c) reads a local dpb: one exchange
+// a step. Thread (u, sp) = (tid / 2, tid % 2) holds W_heads[u, col(n)] for its split's kArEnt own entries
+// (entry n = 4 jj + q: head q of unit j0 + jj). Buffers by step parity, as cfc_fwd_ar_kernel (the same argument).
+constexpr int kArEnt = 64;  // own dph entries a split (two splits: 4 Hc <= 128)
+
+struct ArBwdLayout {
+  int dph;           // [2][2 splits at SplitStride(kArEnt)] own heads' gradients, entry 4 jj + q
+  int dts;           // [2][32] this CTA's units' dts terms
+  int part, part_ld; // [2][C][part_ld] partial vectors (U floats, then the dts partial), slot = sender's rank
+  int dpb;           // [2][pb_ld] all U backbone gradients, split layout (k2, s2) of product (c)
+  int mbar;
+  int total;
+};
+
+template <int C, int K2, int S2>
+__global__ void __launch_bounds__(kNT, 1)
+cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArBwdLayout lay,
+                  const float* __restrict__ ts, const float* __restrict__ wflat, const float* __restrict__ acts,
+                  const float* __restrict__ pre, const float* __restrict__ dhs, float* __restrict__ dxs,
+                  float* __restrict__ dts, float* __restrict__ dh0, float* __restrict__ dpre_bb,
+                  float* __restrict__ dpre_h, float* __restrict__ partials) {
+  extern __shared__ __align__(16) float sm[];
+  constexpr int kS = (kArEnt / 4) % 2 ? kArEnt : kArEnt + 4;  // SplitStride(kArEnt)
+  const int c = C == 1 ? 0 : int(blockIdx.x % C);
+  const int64_t sb = blockIdx.x / C;
+  const float* w = wflat + (sb / d.B) * d.P;
+  const Slice s = MakeSlice(d, c);
+  const int tid = threadIdx.x, T = int(d.T), I = d.I, H = d.H, U = d.U, NH = d.NH;
+  for (int i = tid; i < lay.mbar; i += kNT) sm[i] = 0.f;  // padding entries and splits read as 0
+  auto ent_pos = [&](int n) { return n + (n / kArEnt) * (kS - kArEnt); };
+
+  // (b') item: backbone unit u over own entries sp kArEnt .. + kArEnt (entry n: head n % 4 of unit j0 + n / 4).
+  const int u = tid >> 1, sp = tid & 1;
+  float w1[kArEnt];
+#pragma unroll
+  for (int k = 0; k < kArEnt; ++k) {
+    const int n = sp * kArEnt + k, jn = n >> 2, qn = n & 3;
+    w1[k] = jn < s.Hce ? w[d.off_hw + int64_t(u) * NH + qn * H + s.j0 + jn] : 0.f;
+  }
+  // (c) item, as cfc_bwd_reg_kernel: row r2 of this CTA's rows (r2 < Ic: input x0 + r2; else hidden unit r2 - Ic),
+  // inputs n2 .. n2 + K2 of dpb (split sp2).
+  const int r2 = tid / S2, sp2 = tid - r2 * S2;
+  const bool row_x = r2 < d.Ic && r2 < s.Ice, row_h = r2 >= d.Ic && r2 - d.Ic < s.Hce;
+  const int zrow = r2 < d.Ic ? s.x0 + r2 : I + s.j0 + (r2 - d.Ic);
+  const int n2 = sp2 * K2, m2 = (row_x || row_h) ? max(0, min(K2, U - n2)) : 0;
+  float w2[K2];
+#pragma unroll
+  for (int k = 0; k < K2; ++k) w2[k] = k < m2 ? w[d.off_w[0] + int64_t(zrow) * U + n2 + k] : 0.f;
+  // (a) hidden unit jj = r2 - Ic, handled by the lane that receives its dh_carry in (c).
+  const bool own_unit = row_h && sp2 == 0;
+  const int jj = r2 - d.Ic, j = s.j0 + jj;
+  float dh_carry = 0.f;
+  const int pdb = SplitPos(tid, d.k2, d.s2);  // where unit tid's dpb lands (tid < U)
+
+  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
+  uint32_t rbase[C];
+#pragma unroll
+  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  const uint32_t bytes = uint32_t(4 * C * (U + 1));
+  if constexpr (C > 1) {
+    if (tid == 0) {
+      for (int par = 0; par < 2; ++par) {
+        MbarInit(mbar0 + 8 * par);
+        if (par < T) MbarExpect(mbar0 + 8 * par, bytes);
+      }
+      MbarInitFence();
+    }
+  }
+  const uint32_t bar_off = mbar0 - SmemAddr(sm);
+  auto send = [&](int e, float v, int par) {  // element e of every rank, counted on its mbarrier of parity par
+    if constexpr (C == 1) {
+      sm[e] = v;
+    } else {
+#pragma unroll
+      for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * par);
+    }
+  };
+
+  // One step ahead in registers: the unit's inputs (ts, dhs, pre) and unit tid's backbone activation.
+  float n_ts = 0.f, n_dh = 0.f, n_pre[4] = {0.f, 0.f, 0.f, 0.f}, n_act = 0.f;
+  const int64_t last = sb * T + T - 1;
+  const float *ts_r = ts + last, *dhs_r = dhs + last * H + j, *pre_r = pre + last * NH + j;
+  const float* act_r = acts + last * U + tid;
+  float *dph_r = dpre_h + last * NH + j, *dpb_r = dpre_bb + last * U + tid, *dx_r = dxs + last * I + s.x0 + r2;
+  float* dts_r = dts + last;
+  const bool own_u = tid >= s.u0 && tid < s.u0 + s.Uce;  // the CTA that writes unit tid's dpre_bb
+  auto prefetch = [&]() {
+    if (own_unit) {
+      n_ts = *ts_r;
+      n_dh = *dhs_r;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) n_pre[q] = pre_r[q * H];
+    }
+    if (tid < U) n_act = *act_r;
+    ts_r -= 1;
+    dhs_r -= H;
+    pre_r -= NH;
+    act_r -= U;
+  };
+  prefetch();
+  UnitCoef uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], 0.f, 0.f);
+  float dhs_t = n_dh, act_t = n_act;
+  ClusterSync<C>();  // buffers zeroed, mbarriers initialised, every CTA running
+
+  const int lane = tid & 31, warp = tid >> 5;
+  for (int t = T - 1; t >= 0; --t) {
+    const int n = T - 1 - t, par = n & 1;
+    if (t > 0) prefetch();
+    // (a) the unit's head gradients (local) and dts term.
+    if (own_unit) {
+      const float dh = dhs_t + dh_carry;
+      const float df1 = dh * uc.m1, df2 = dh * uc.g, dg = dh * uc.dd;
+      const float dgp = dg * uc.g * uc.om;
+      const float4 g = make_float4(df1 * uc.a1, df2 * uc.a2, dgp * uc.ts, dgp);
+      *reinterpret_cast<float4*>(sm + lay.dph + par * 2 * kS + ent_pos(4 * jj)) = g;
+      sm[lay.dts + par * 32 + jj] = dgp * uc.ta;
+      dph_r[0] = g.x;
+      dph_r[H] = g.y;
+      dph_r[2 * H] = g.z;
+      dph_r[3 * H] = g.w;
+    }
+    __syncthreads();  // the CTA's own entries of dph in place
+    // (b') partial sums of every backbone unit's gradient over the own entries; warp 0 also sums the dts terms.
+    {
+      float p = RegDot(sm + lay.dph + par * 2 * kS + sp * kS, w1, kArEnt);
+      p += __shfl_xor_sync(0xffffffffu, p, 1);
+      if (sp == 0) send(lay.part + (par * C + c) * lay.part_ld + u, p, par);
+      if (warp == 0) {
+        float v = lane < s.Hce ? sm[lay.dts + par * 32 + lane] : 0.f;
+        v = WarpSum(v);
+        if (lane == 0) send(lay.part + (par * C + c) * lay.part_ld + U, v, par);
+      }
+    }
+    // The next (earlier) step's coefficients, off the chain while the exchange is in flight.
+    if (t > 0) {
+      if (own_unit) uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], 0.f, 0.f);
+    }
+    if constexpr (C > 1) {
+      MbarWait(mbar0 + 8 * par, (n >> 1) & 1);
+      if (tid == 0 && n + 2 < T) MbarExpect(mbar0 + 8 * par, bytes);
+    } else {
+      __syncthreads();
+    }
+    // Every backbone unit's gradient, the C partials added in rank order; rank 0's last warp forms dts_t.
+    const float* pp = sm + lay.part + par * C * lay.part_ld;
+    if (tid < U) {
+      float acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < C; ++r) acc += pp[r * lay.part_ld + tid];
+      const float g = acc * LecunTanhGradFromOut(act_t);
+      sm[lay.dpb + par * d.pb_ld + pdb] = g;
+      if (own_u) *dpb_r = g;
+    }
+    if (c == 0 && tid == kNT - 1) {
+      float v = 0.f;
+#pragma unroll
+      for (int r = 0; r < C; ++r) v += pp[r * lay.part_ld + U];
+      *dts_r = v;
+    }
+    if (t > 0) {
+      dhs_t = n_dh;
+      act_t = n_act;
+    }
+    __syncthreads();  // all U backbone gradients in place
+    // (c) input gradients: dx_t, and dh_carry for step t - 1.
+    {
+      const float v = GroupSum(RegDot(sm + lay.dpb + par * d.pb_ld + sp2 * d.s2, w2, K2), S2);
+      if (sp2 == 0) {
+        if (row_x) *dx_r = v;
+        if (row_h) dh_carry = v;
+      }
+    }
+    dph_r -= NH;
+    dpb_r -= U;
+    dx_r -= I;
+    dts_r -= 1;
+  }
+  if (own_unit) StoreUnitResults(d, sb, j, dh_carry, 0.f, 0.f, dh0, partials);
+  ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
+}
+
+// ---------------------------------------------------------------------------------------------
 // Per-sample weight gradient: partials[sb, out_off + k * N + n] = sum_t A(t, k) D(t, n) for k in [0, K), and
 // row K the bias gradient sum_t D(t, n) (plain float32 adds, t in increasing order).
 struct GradGemm {
@@ -1760,6 +2104,53 @@ ffi::Error ByBackwardGeometry(const CfcDims& d, F&& f) {
   return ByCluster(d, [&](auto C) { return f(cfc_bwd_reg_kernel<C()>); });
 }
 
+// cfc_fwd_ar_kernel (one exchange a step) where it applies: the compiled geometry <C = 4, KH = 16, SH = 8> of
+// modes default / no_gate at L = 1 with U = kNT / 2 and at most 2 kArRows own rows a CTA (the benchmark's I=48
+// H=U=128 at C=4). JAXFOX_CFC_ALLREDUCE=0 turns it off (A/B timing, tests: the register forward runs instead); read
+// once per process. It replaces the register forward's compiled geometry, so whatever turns that off (UseRegForward,
+// JAXFOX_CFC_REG=0; UseFixedGeometry, JAXFOX_CFC_FIXED=0) turns this off too.
+bool UseArForward(const CfcDims& d) {
+  static const bool on = EnvSwitchOn("JAXFOX_CFC_ALLREDUCE");
+  return on && UseFixedGeometry() && d.reg_f && d.L == 1 && d.nh == 4 && d.mode != kPure && d.C == 4 && 2 * d.U == kNT &&
+         d.Ic + d.Hc <= 2 * kArRows && d.kch == 16 && d.Sh == 8 && CeilDiv(d.U, 16) == 8;
+}
+
+ArLayout MakeArLayout(const CfcDims& d) {
+  ArLayout s{};
+  int o = 0;
+  s.zo = o; s.zo_ld = 2 * ((kArRows / 4) % 2 ? kArRows : kArRows + 4); o += 2 * s.zo_ld;
+  s.part = o; o += 2 * d.C * d.U;
+  s.act = o; s.act_s = SplitStride(d.kch); s.act_ld = std::max(int(CeilDiv(d.U, d.kch)), d.Sh) * s.act_s;
+  o += 2 * s.act_ld;
+  s.mbar = Align4(o); o = s.mbar + 4;
+  s.total = o;
+  return s;
+}
+
+// cfc_bwd_ar_kernel (one exchange a step) where it applies: the compiled geometry <C = 4, K2 = 32, S2 = 4> of modes
+// default / no_gate at L = 1 with U = kNT / 2 and at most 32 hidden units a CTA; JAXFOX_CFC_ALLREDUCE=0 turns it off
+// as the forward's. It replaces the register backward's compiled geometry, so JAXFOX_CFC_REG_BWD=0 and
+// JAXFOX_CFC_FIXED=0 turn it off too. (Ranks other than 0 receive the dts partials and ignore them: one uniform byte
+// count per phase.)
+bool UseArBackward(const CfcDims& d) {
+  static const bool on = EnvSwitchOn("JAXFOX_CFC_ALLREDUCE");
+  return on && UseFixedGeometry() && d.reg_b && d.L == 1 && d.nh == 4 && d.mode != kPure && d.C == 4 && 2 * d.U == kNT && d.Hc <= 32 &&
+         4 * d.Hc <= 2 * kArEnt && d.k2 == 32 && d.S2 == 4;
+}
+
+ArBwdLayout MakeArBwdLayout(const CfcDims& d) {
+  ArBwdLayout s{};
+  const int kS = (kArEnt / 4) % 2 ? kArEnt : kArEnt + 4;
+  int o = 0;
+  s.dph = o; o += 2 * 2 * kS;
+  s.dts = o; o += 2 * 32;
+  s.part = o; s.part_ld = Align4(d.U + 1); o += 2 * d.C * s.part_ld;
+  s.dpb = o; o += 2 * d.pb_ld;
+  s.mbar = Align4(o); o = s.mbar + 4;
+  s.total = o;
+  return s;
+}
+
 ffi::Error CheckInputs(const CfcDims& d, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::F32>& ts,
                        ffi::Buffer<ffi::F32>& h0, ffi::Buffer<ffi::F32>& w, int64_t* V, int64_t* B, int64_t* T) {
   auto xd = xs.dimensions();
@@ -1802,6 +2193,12 @@ ffi::Error CfcFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   const float *px = xs.typed_data(), *pt = ts.typed_data(), *ph = h0.typed_data(), *pw = w.typed_data();
   float *o1 = hs->typed_data(), *o2 = acts->typed_data(), *o3 = pre->typed_data();
   auto launch = [&](auto kernel) { return LaunchCluster(kernel, d.C, S, smem, stream, d, lay, px, pt, ph, pw, o1, o2, o3); };
+  if (UseArForward(d)) {
+    const ArLayout alay = MakeArLayout(d);
+    JAXFOX_RETURN_IF_ERROR(LaunchCluster(cfc_fwd_ar_kernel<4, 16, 8>, d.C, S, int64_t(alay.total) * sizeof(float),
+                                         stream, d, alay, px, pt, ph, pw, o1, o2, o3));
+    return LastCudaError("cfc_fwd (one exchange a step)");
+  }
   const ffi::Error e = d.reg_f ? ByForwardGeometry(d, launch)
                                : ByVariant(d, [&](auto C, auto smem_w) { return launch(cfc_fwd_kernel<C(), smem_w()>); });
   JAXFOX_RETURN_IF_ERROR(e);
@@ -1877,7 +2274,11 @@ ffi::Error CfcBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> xs, ffi::Buffer
   };
   d.reg_b = RegBackwardPlan(&d) && UseRegBackward() ? 1 : 0;
   ffi::Error e = ffi::Error::Success();
-  if (d.reg_b) {
+  if (UseArBackward(d)) {
+    const ArBwdLayout alay = MakeArBwdLayout(d);
+    e = LaunchCluster(cfc_bwd_ar_kernel<4, 32, 4>, d.C, S, int64_t(alay.total) * sizeof(float), stream, d, alay, pt, pw,
+                      pa, pp, pd, gx, gt, gh, gbb, gph, part);
+  } else if (d.reg_b) {
     const Layout rlay = MakeRegBackwardLayout(d);
     e = ByBackwardGeometry(d, [&](auto kernel) {
       return LaunchCluster(kernel, d.C, S, int64_t(rlay.total) * sizeof(float), stream, d, rlay, pt, pw, pa, pp, pd, gx,

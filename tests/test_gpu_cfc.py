@@ -445,6 +445,10 @@ _PATH_CASES = {
     "runtime_geometry": ({"JAXFOX_CFC_FIXED": "0"}, [("default", 1, (4, 17, 48, 128, 128)),
                                                      ("no_gate", 1, (3, 9, 48, 128, 128)),
                                                      ("default", 1, (5, 16, 32, 32, 64))]),
+    # the register kernels' compiled bench geometry (<4, 24, 8, 16, 8> forward, <4, 64, 8, 32, 4> backward), which the
+    # one-exchange kernels (cfc_fwd_ar_kernel / cfc_bwd_ar_kernel) replace by default
+    "no_allreduce": ({"JAXFOX_CFC_ALLREDUCE": "0"}, [("default", 1, (4, 17, 48, 128, 128)),
+                                                     ("no_gate", 1, (3, 9, 48, 128, 128))]),
 }
 _REG_CASES = [("default", 1, (4, 9, 16, 64, 40)), ("pure", 1, (3, 7, 7, 33, 17)), ("no_gate", 0, (2, 5, 300, 20, 8)),
               ("default", 1, (2, 5, 270, 16, 24)), ("default", 1, (8, 16, 32, 32, 64)), ("pure", 0, (3, 6, 5, 9, 8))]
