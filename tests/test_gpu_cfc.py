@@ -237,8 +237,9 @@ def test_single_sample_equals_batch_member(mode, L):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("size", ["bench", "odd"])
-def test_gradients_bitwise_repeatable(mode, size):
-    params, xs, ts, h0, cot = _case(mode, 2, size, seed=8)
+@pytest.mark.parametrize("L", [1, 2])  # 1: the register / one-exchange kernels (cfc_init's default depth); 2: the others
+def test_gradients_bitwise_repeatable(mode, size, L):
+    params, xs, ts, h0, cot = _case(mode, L, size, seed=8)
     args = [jax.device_put(a) for a in (params, xs, ts, h0, cot)]
     with jax.default_matmul_precision("highest"):
         f = jax.jit(_fwd_bwd_fn(mode))
@@ -260,8 +261,9 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
     assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason()
     out = {}
     for mode in ("default", "no_gate", "pure"):
-        for (B, T, I, H, U) in ((32, 256, 48, 128, 128), (3, 5, 7, 9, 13)):
-            params = jaxfox.cfc_init(jax.random.key(0), I, H, backbone_units=U, backbone_layers=2, mode=mode)
+        for (B, T, I, H, U, L) in ((32, 256, 48, 128, 128, 1), (32, 256, 48, 128, 128, 2), (3, 5, 7, 9, 13, 1),
+                                   (3, 5, 7, 9, 13, 2)):
+            params = jaxfox.cfc_init(jax.random.key(0), I, H, backbone_units=U, backbone_layers=L, mode=mode)
             rng = np.random.default_rng(1)
             params = jax.tree.map(lambda a: a + jnp.asarray(0.05 * rng.standard_normal(a.shape), jnp.float32), params)
             xs = rng.standard_normal((B, T, I)).astype(np.float32)
@@ -277,7 +279,7 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
             for run in range(3):  # command buffers are recorded / updated over the first executions
                 res = jax.device_get(g(params, xs, ts, h0, cot))
                 for k, a in enumerate(res):
-                    out[f"cfc_{mode}_{B}_{k}_run{run}"] = a
+                    out[f"cfc_{mode}_{B}_L{L}_{k}_run{run}"] = a
     for shape in ((32, 1 << 20), (100000, 8), (257, 1025)):
         x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
         r = jax.jit(lambda x: jaxfox.reduce_axis0(x * 2.0) + 1.0)
