@@ -24,10 +24,12 @@
 // kernel then forms each sample's parameter-gradient partial sum_t input_t^T dpre_t (fixed t order)
 // into [B, P], and reduce_axis0 sums those over B.
 //
-// At the benchmark's geometry (L = 1, four heads, U = 128, C = 4, I = 48, H = 128; modes default / no_gate) the
-// recurrences run cfc_fwd_ar_kernel / cfc_bwd_ar_kernel instead (UseArForward / UseArBackward): one cluster exchange
-// a step, an all-reduce of partial sums, in place of the register kernels' two all-gathers; fwd+bwd 1.319 -> 1.018 ms
-// on the H100 (JAXFOX_CFC_ALLREDUCE=0 runs the register kernels there, for A/B timing and tests).
+// At the benchmark's geometry the recurrences run cfc_fwd_ar_kernel / cfc_bwd_ar_kernel instead (UseArForward /
+// UseArBackward: one backbone layer of U = 128 units, a cluster of C = 4, at most 32 hidden units and 16 inputs a CTA,
+// modes default / no_gate; with ChooseCluster's rule that is H = 125 .. 128 and I <= 64): one cluster exchange a
+// step, an all-reduce of partial sums, in place of the register kernels' two all-gathers; fwd+bwd 1.319 -> 1.018 ms
+// at B=32 T=256 I=48 H=U=128 on the H100 (JAXFOX_CFC_ALLREDUCE=0 runs the register kernels there, for A/B timing and
+// tests). Other sizes keep the register kernels: the one-exchange kernels' thread layout is compiled for U = 128.
 #include <cooperative_groups.h>
 
 #include <cstdlib>

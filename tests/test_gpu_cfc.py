@@ -192,10 +192,11 @@ def test_kernel_default_h0_and_cell(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_kernel_vmap_ensemble(mode):
+@pytest.mark.parametrize("size", ["odd", (2, 9, 48, 128, 128)])  # the second: the one-exchange kernels' geometry
+def test_kernel_vmap_ensemble(mode, size):
     """vmap over an ensemble axis of params and inputs (broadcast_all: the kernels see V instances)."""
     E = 3
-    cases = [_case(mode, 1, "odd", seed=10 + e) for e in range(E)]
+    cases = [_case(mode, 1, size, seed=10 + e) for e in range(E)]
     stacked = [jax.tree.map(lambda *a: jnp.stack(a), *[c[k] for c in cases]) for k in range(5)]
     fn = jax.vmap(_fwd_bwd_fn(mode))
     text = hlo(fn, *stacked)
