@@ -445,7 +445,9 @@ _PATH_CASES = {
                            ("no_gate", 1, (3, 2, 48, 128, 128)),
                            # the one-exchange kernels with short last slices: I = 61 (16, 16, 16, 13 inputs a CTA),
                            # H = 125 (32, 32, 32, 29 hidden units)
-                           ("default", 1, (3, 5, 61, 125, 128)), ("no_gate", 1, (2, 4, 61, 125, 128))]),
+                           ("default", 1, (3, 5, 61, 125, 128)), ("no_gate", 1, (2, 4, 61, 125, 128)),
+                           # ... and with CTAs that own no inputs (I = 5: the last; I = 1: all but the first)
+                           ("default", 1, (2, 3, 5, 128, 128)), ("no_gate", 1, (2, 3, 1, 128, 128))]),
     # the register kernels with their geometry read at run time (JAXFOX_CFC_FIXED=0) at the sizes whose geometry is
     # otherwise compiled in (the benchmark's C = 4, the main job's C = 1)
     "runtime_geometry": ({"JAXFOX_CFC_FIXED": "0"}, [("default", 1, (4, 17, 48, 128, 128)),
