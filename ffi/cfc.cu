@@ -862,6 +862,49 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 // form step t + 2's partial before it has every CTA's step t + 1 partial, so two suffice.
 constexpr int kArRows = 24;  // own rows a split (two splits: Ic + Hc <= 48)
 
+// The one-exchange kernels' all-reduce exchange: every rank's shared-memory base, and two mbarriers at sm + mbar_off
+// (one a step parity), each expecting `bytes` a step. Thread 0 initialises them and arms the first two steps
+// (the caller's ClusterSync publishes that); Wait re-arms a parity's mbarrier for step n + 2 once step n's data is in.
+template <int C>
+struct ArExchange {
+  uint32_t mbar0, bytes, bar_off;
+  uint32_t rbase[C];
+  __device__ __forceinline__ ArExchange(float* sm, int mbar_off, uint32_t nbytes, int T) : bytes(nbytes) {
+    mbar0 = SmemAddr(sm + mbar_off);
+#pragma unroll
+    for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+    if constexpr (C > 1) {
+      if (threadIdx.x == 0) {
+        for (int par = 0; par < 2; ++par) {
+          MbarInit(mbar0 + 8 * par);
+          if (par < T) MbarExpect(mbar0 + 8 * par, bytes);
+        }
+        MbarInitFence();
+      }
+    }
+    bar_off = mbar0 - SmemAddr(sm);
+  }
+  // v into element e of every rank's shared memory, counted on its mbarrier of parity par (C = 1: a local store).
+  __device__ __forceinline__ void Send(float* sm, int e, float v, int par) const {
+    if constexpr (C == 1) {
+      sm[e] = v;
+    } else {
+#pragma unroll
+      for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * par);
+    }
+  }
+  // Until step n's data (parity n & 1) from every rank is in (C = 1: a block barrier); T steps in all.
+  __device__ __forceinline__ void Wait(int n, int T) const {
+    if constexpr (C > 1) {
+      const int par = n & 1;
+      MbarWait(mbar0 + 8 * par, (n >> 1) & 1);
+      if (threadIdx.x == 0 && n + 2 < T) MbarExpect(mbar0 + 8 * par, bytes);
+    } else {
+      __syncthreads();
+    }
+  }
+};
+
 struct ArLayout {
   int zo, zo_ld;     // own rows of z by step parity, two splits of kArRows at SplitStride(kArRows)
   int part;          // [2][C][U] partial vectors by step parity, slot = sender's rank
@@ -914,21 +957,7 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
   const int ph0 = sph * lay.act_s;
   const int pz = row_pos(d.Ic + jj);                 // where this unit's h lands among the own rows
 
-  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
-  uint32_t rbase[C];
-#pragma unroll
-  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
-  const uint32_t bytes = uint32_t(4 * C * U);
-  if constexpr (C > 1) {
-    if (tid == 0) {
-      for (int par = 0; par < 2; ++par) {
-        MbarInit(mbar0 + 8 * par);
-        if (par < T) MbarExpect(mbar0 + 8 * par, bytes);
-      }
-      MbarInitFence();
-    }
-  }
-  const uint32_t bar_off = mbar0 - SmemAddr(sm);
+  const ArExchange<C> ex(sm, lay.mbar, uint32_t(4 * C * U), T);
 
   const float* xrow = xs + sb * T * I + s.x0;
   const float* tsp = ts + sb * T;
@@ -954,20 +983,8 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
     float p = RegDot(zo + sp * kS, wb, kArRows);
     p += __shfl_xor_sync(0xffffffffu, p, 1);
     const int e = lay.part + (par * C + c) * U + u;
-    if (sp == 0) {
-      if constexpr (C == 1) {
-        sm[e] = p;
-      } else {
-#pragma unroll
-        for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, p, rbase[r] + bar_off + 8 * par);
-      }
-    }
-    if constexpr (C > 1) {
-      MbarWait(mbar0 + 8 * par, (t >> 1) & 1);
-      if (tid == 0 && t + 2 < T) MbarExpect(mbar0 + 8 * par, bytes);
-    } else {
-      __syncthreads();
-    }
+    if (sp == 0) ex.Send(sm, e, p, par);
+    ex.Wait(t, T);
     // Every unit's activation, the C partials added in rank order.
     if (tid < U) {
       const float* pp = sm + lay.part + par * C * U + tid;
@@ -1615,29 +1632,7 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
   float dh_carry = 0.f;
   const int pdb = SplitPos(tid, d.k2, d.s2);  // where unit tid's dpb lands (tid < U)
 
-  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
-  uint32_t rbase[C];
-#pragma unroll
-  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
-  const uint32_t bytes = uint32_t(4 * C * (U + 1));
-  if constexpr (C > 1) {
-    if (tid == 0) {
-      for (int par = 0; par < 2; ++par) {
-        MbarInit(mbar0 + 8 * par);
-        if (par < T) MbarExpect(mbar0 + 8 * par, bytes);
-      }
-      MbarInitFence();
-    }
-  }
-  const uint32_t bar_off = mbar0 - SmemAddr(sm);
-  auto send = [&](int e, float v, int par) {  // element e of every rank, counted on its mbarrier of parity par
-    if constexpr (C == 1) {
-      sm[e] = v;
-    } else {
-#pragma unroll
-      for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * par);
-    }
-  };
+  const ArExchange<C> ex(sm, lay.mbar, uint32_t(4 * C * (U + 1)), T);
 
   // One step ahead in registers: the unit's inputs (ts, dhs, pre) and unit tid's backbone activation.
   float n_ts = 0.f, n_dh = 0.f, n_pre[4] = {0.f, 0.f, 0.f, 0.f}, n_act = 0.f;
@@ -1687,23 +1682,18 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
     {
       float p = RegDot(sm + lay.dph + par * 2 * kS + sp * kS, w1, kArEnt);
       p += __shfl_xor_sync(0xffffffffu, p, 1);
-      if (sp == 0) send(lay.part + (par * C + c) * lay.part_ld + u, p, par);
+      if (sp == 0) ex.Send(sm, lay.part + (par * C + c) * lay.part_ld + u, p, par);
       if (warp == 0) {
         float v = lane < s.Hce ? sm[lay.dts + par * 32 + lane] : 0.f;
         v = WarpSum(v);
-        if (lane == 0) send(lay.part + (par * C + c) * lay.part_ld + U, v, par);
+        if (lane == 0) ex.Send(sm, lay.part + (par * C + c) * lay.part_ld + U, v, par);
       }
     }
     // The next (earlier) step's coefficients, off the chain while the exchange is in flight.
     if (t > 0) {
       if (own_unit) uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], 0.f, 0.f);
     }
-    if constexpr (C > 1) {
-      MbarWait(mbar0 + 8 * par, (n >> 1) & 1);
-      if (tid == 0 && n + 2 < T) MbarExpect(mbar0 + 8 * par, bytes);
-    } else {
-      __syncthreads();
-    }
+    ex.Wait(n, T);
     // Every backbone unit's gradient, the C partials added in rank order; rank 0's last warp forms dts_t.
     const float* pp = sm + lay.part + par * C * lay.part_ld;
     if (tid < U) {
