@@ -682,6 +682,20 @@ __device__ __forceinline__ float QuadSum(const float (&a)[4], int sp, int S) {
   return k;
 }
 
+// A hidden unit's next state in modes default / no_gate from its four head values, one a lane: lane q of the unit's
+// group (q = lane / hq within it) holds head q's value hv. Heads 0 and 1 take tanh of their value, head 2 the gate
+// sigmoid(v2 ts + v3) = (1 + tanh((v2 ts + v3) / 2)) / 2 (head 3's value comes from the lane hq above); the result
+// is valid in the q = 0 lanes. Every lane of the warp must call it (shuffles).
+__device__ __forceinline__ float GatedState(float hv, float tst, int q, int hq, int mode) {
+  const float v3 = __shfl_down_sync(0xffffffffu, hv, hq);
+  const bool gate = q == 2;
+  const float th = tanhf(gate ? 0.5f * (hv * tst + v3) : hv);
+  const float f = gate ? fmaf(0.5f, th, 0.5f) : th;
+  const float f2 = __shfl_down_sync(0xffffffffu, f, hq);
+  const float g = __shfl_down_sync(0xffffffffu, f, 2 * hq);
+  return mode == kNoGate ? f + g * f2 : f * (1.f - g) + g * f2;
+}
+
 // Geometry fixed at compile time (ByForwardGeometry picks it; KH = 0: read from CfcDims at run time). With it the register
 // products are straight-line code: fixed trip counts, unpredicated loads (RegForwardPlan pads the split layouts
 // with zeros to whole splits for every lane, and a lane's weights past its inputs are 0) and unrolled shuffle trees.
@@ -828,15 +842,7 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     if (d.mode == kPure) {  // one head: this lane holds the unit's pre-activation
       h = -Ap * expf(-tst * (wtau + fabsf(hv))) * hv + Ap;
     } else {
-      // The unit's nonlinearities in parallel, one a lane: heads 0 and 1 take tanh of their value, head 2 the gate
-      // sigmoid(v2 ts + v3) = (1 + tanh((v2 ts + v3) / 2)) / 2 (head 3's value comes from the lane hq above).
-      const float v3 = __shfl_down_sync(0xffffffffu, hv, hq);
-      const bool gate = q == 2;
-      const float th = tanhf(gate ? 0.5f * (hv * tst + v3) : hv);
-      const float f = gate ? fmaf(0.5f, th, 0.5f) : th;
-      const float f2 = __shfl_down_sync(0xffffffffu, f, hq);
-      const float g = __shfl_down_sync(0xffffffffu, f, 2 * hq);
-      h = d.mode == kNoGate ? f + g * f2 : f * (1.f - g) + g * f2;
+      h = GatedState(hv, tst, q, hq, d.mode);
     }
     if (has_h && q == 0 && sph == 0) {
       *hsp = h;
@@ -1000,13 +1006,7 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
     QuadDot<KH, KH>(sm + lay.act + par * lay.act_ld + ph0, wh, KH, a4);
     const float hv = QuadSum(a4, sph, SH) + bias_h;
     if (has_h && sph % hq == 0) *prep = hv;  // one lane a head
-    const float v3 = __shfl_down_sync(0xffffffffu, hv, hq);
-    const bool gate = q == 2;
-    const float th = tanhf(gate ? 0.5f * (hv * tst + v3) : hv);
-    const float f = gate ? fmaf(0.5f, th, 0.5f) : th;
-    const float f2 = __shfl_down_sync(0xffffffffu, f, hq);
-    const float g = __shfl_down_sync(0xffffffffu, f, 2 * hq);
-    const float h = d.mode == kNoGate ? f + g * f2 : f * (1.f - g) + g * f2;
+    const float h = GatedState(hv, tst, q, hq, d.mode);
     if (has_h && q == 0 && sph == 0) {
       *hsp = h;
       if (t + 1 < T) sm[lay.zo + (par ^ 1) * lay.zo_ld + pz] = h;  // the next step's own row (read after its first barrier)
@@ -1381,6 +1381,15 @@ __device__ __forceinline__ UnitCoef MakeUnitCoef(int mode, float tst, float p0, 
   return c;
 }
 
+// A unit's four head gradients (ff1, ff2, time_a, time_b) in modes default / no_gate from d h and its step
+// coefficients; *dts_term gets its term of d ts.
+__device__ __forceinline__ float4 HeadGrads(float dh, const UnitCoef& uc, float* dts_term) {
+  const float df1 = dh * uc.m1, df2 = dh * uc.g, dg = dh * uc.dd;
+  const float dgp = dg * uc.g * uc.om;
+  *dts_term = dgp * uc.ta;
+  return make_float4(df1 * uc.a1, df2 * uc.a2, dgp * uc.ts, dgp);
+}
+
 // K1 .. S2: the geometry fixed at compile time, as cfc_fwd_reg_kernel's (0: read from CfcDims at run time).
 template <int C, int K1 = 0, int S1 = 0, int K2 = 0, int S2 = 0>
 __global__ void __launch_bounds__(kNT, 1)
@@ -1511,10 +1520,7 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
         for (int r = 0; r < C; ++r) put(r, e, g0, 0, n);
         *dph_r = g0;
       } else {
-        const float df1 = dh * uc.m1, df2 = dh * uc.g, dg = dh * uc.dd;
-        const float dgp = dg * uc.g * uc.om;
-        const float4 g = make_float4(df1 * uc.a1, df2 * uc.a2, dgp * uc.ts, dgp);
-        dts_term = dgp * uc.ta;
+        const float4 g = HeadGrads(dh, uc, &dts_term);
         if constexpr (C == 1) {
           *reinterpret_cast<float4*>(sm + e) = g;
         } else {
@@ -1667,11 +1673,10 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
     // (a) the unit's head gradients (local) and dts term.
     if (own_unit) {
       const float dh = dhs_t + dh_carry;
-      const float df1 = dh * uc.m1, df2 = dh * uc.g, dg = dh * uc.dd;
-      const float dgp = dg * uc.g * uc.om;
-      const float4 g = make_float4(df1 * uc.a1, df2 * uc.a2, dgp * uc.ts, dgp);
+      float dts_term;
+      const float4 g = HeadGrads(dh, uc, &dts_term);
       *reinterpret_cast<float4*>(sm + lay.dph + par * 2 * kS + ent_pos(4 * jj)) = g;
-      sm[lay.dts + par * 32 + jj] = dgp * uc.ta;
+      sm[lay.dts + par * 32 + jj] = dts_term;
       dph_r[0] = g.x;
       dph_r[H] = g.y;
       dph_r[2 * H] = g.z;
