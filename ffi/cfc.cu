@@ -899,10 +899,9 @@ struct ArExchange {
       for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * par);
     }
   }
-  // Until step n's data (parity n & 1) from every rank is in (C = 1: a block barrier); T steps in all.
-  __device__ __forceinline__ void Wait(int n, int T) const {
+  // Until step n's data (parity par = n & 1) from every rank is in (C = 1: a block barrier); T steps in all.
+  __device__ __forceinline__ void Wait(int n, int par, int T) const {
     if constexpr (C > 1) {
-      const int par = n & 1;
       MbarWait(mbar0 + 8 * par, (n >> 1) & 1);
       if (threadIdx.x == 0 && n + 2 < T) MbarExpect(mbar0 + 8 * par, bytes);
     } else {
@@ -975,8 +974,10 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
   const bool own_act = tid >= s.u0 && tid < s.u0 + s.Uce;  // the CTA that writes unit tid's activation
   ClusterSync<C>();  // buffers zeroed, h0 staged, mbarriers initialised, every CTA running
 
-  for (int t = 0; t < T; ++t) {
-    const int par = t & 1;
+  // One step; parc is the step's parity as a compile-time constant (the loop below runs two steps a trip), so every
+  // parity-dependent buffer offset folds: 2-3 % faster than a run-time parity (H100, this kernel and the backward).
+  auto step = [&](const int t, auto parc) {
+    const int par = int(parc);
     float* zo = sm + lay.zo + par * lay.zo_ld;
     const float tst = tsnext;
     if (tid < s.Ice) zo[row_pos(tid)] = xnext;
@@ -990,7 +991,7 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
     p += __shfl_xor_sync(0xffffffffu, p, 1);
     const int e = lay.part + (par * C + c) * U + u;
     if (sp == 0) ex.Send(sm, e, p, par);
-    ex.Wait(t, T);
+    ex.Wait(t, par, T);
     // Every unit's activation, the C partials added in rank order.
     if (tid < U) {
       const float* pp = sm + lay.part + par * C * U + tid;
@@ -1014,7 +1015,15 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
     actp += U;
     prep += NH;
     hsp += H;
+  };
+  using P0 = std::integral_constant<int, 0>;
+  using P1 = std::integral_constant<int, 1>;
+  int t = 0;
+  for (; t + 1 < T; t += 2) {
+    step(t, P0{});
+    step(t + 1, P1{});
   }
+  if (t < T) step(t, P0{});
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
 
@@ -1667,8 +1676,9 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
   ClusterSync<C>();  // buffers zeroed, mbarriers initialised, every CTA running
 
   const int lane = tid & 31, warp = tid >> 5;
-  for (int t = T - 1; t >= 0; --t) {
-    const int n = T - 1 - t, par = n & 1;
+  // One step (t = T - 1 - n); parc is n's parity as a compile-time constant, as in cfc_fwd_ar_kernel.
+  auto step = [&](const int t, auto parc) {
+    const int n = T - 1 - t, par = int(parc);
     if (t > 0) prefetch();
     // (a) the unit's head gradients (local) and dts term.
     if (own_unit) {
@@ -1698,7 +1708,7 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
     if (t > 0) {
       if (own_unit) uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], 0.f, 0.f);
     }
-    ex.Wait(n, T);
+    ex.Wait(n, par, T);
     // Every backbone unit's gradient, the C partials added in rank order; rank 0's last warp forms dts_t.
     const float* pp = sm + lay.part + par * C * lay.part_ld;
     if (tid < U) {
@@ -1732,7 +1742,15 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
     dpb_r -= U;
     dx_r -= I;
     dts_r -= 1;
+  };
+  using P0 = std::integral_constant<int, 0>;
+  using P1 = std::integral_constant<int, 1>;
+  int n = 0;
+  for (; n + 1 < T; n += 2) {
+    step(T - 1 - n, P0{});
+    step(T - 2 - n, P1{});
   }
+  if (n < T) step(T - 1 - n, P0{});
   if (own_unit) StoreUnitResults(d, sb, j, dh_carry, 0.f, 0.f, dh0, partials);
   ClusterSync<C>();  // no CTA leaves while others may still write into its shared memory
 }
