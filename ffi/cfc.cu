@@ -233,6 +233,67 @@ __device__ __forceinline__ void StAsync4(uint32_t raddr, float4 v, uint32_t rbar
 #endif
 }
 
+// A kernel's cluster exchanges: `kinds` of them, each with two mbarriers (one a step parity) at Bar(kind, par) in
+// every CTA, and every rank's shared-memory base. Thread 0 initialises the mbarriers and arms the first two steps of
+// each kind (the caller's ClusterSync publishes that); Wait re-arms a parity's mbarrier for step n + 2 once step n's
+// bytes are in. C = 1: sends are local stores and Wait does nothing (the caller's block barrier orders them).
+template <int C>
+struct ClusterExchange {
+  uint32_t mbar0, bar_off;
+  uint32_t rbase[C];
+  __device__ __forceinline__ ClusterExchange(float* sm, int mbar_off) {
+    mbar0 = SmemAddr(sm + mbar_off);
+    bar_off = mbar0 - SmemAddr(sm);
+#pragma unroll
+    for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  }
+  __device__ __forceinline__ uint32_t Bar(int kind, int par) const { return mbar0 + 8 * (2 * kind + par); }
+  // bytes(kind): what a step of that kind brings to this CTA (0: the kind is never waited for); steps(kind): how
+  // many steps run it.
+  template <class Bytes, class Steps>
+  __device__ __forceinline__ void Init(int kinds, Bytes bytes, Steps steps) const {
+    if constexpr (C > 1) {
+      if (threadIdx.x == 0) {
+        for (int kind = 0; kind < kinds; ++kind)
+          for (int par = 0; par < 2; ++par) {
+            MbarInit(Bar(kind, par));
+            if (par < steps(kind) && bytes(kind) > 0) MbarExpect(Bar(kind, par), bytes(kind));
+          }
+        MbarInitFence();
+      }
+    }
+  }
+  // v into element e (float offset) of rank r's shared memory, counted on its mbarrier (kind, par).
+  __device__ __forceinline__ void Put(float* sm, int r, int e, float v, int kind, int par) const {
+    if constexpr (C == 1) {
+      sm[e] = v;
+    } else {
+      StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * (2 * kind + par));
+    }
+  }
+  // The same into every rank.
+  __device__ __forceinline__ void Send(float* sm, int e, float v, int kind, int par) const {
+#pragma unroll
+    for (int r = 0; r < C; ++r) Put(sm, r, e, v, kind, par);
+  }
+  // Four floats (e 16-byte aligned) into every rank.
+  __device__ __forceinline__ void Send4(float* sm, int e, float4 v, int kind, int par) const {
+    if constexpr (C == 1) {
+      *reinterpret_cast<float4*>(sm + e) = v;
+    } else {
+#pragma unroll
+      for (int r = 0; r < C; ++r) StAsync4(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * (2 * kind + par));
+    }
+  }
+  // Until step n's bytes of exchange `kind` (parity par = n & 1) are in; `bytes` and `steps` as for Init.
+  __device__ __forceinline__ void Wait(int kind, int n, int par, uint32_t bytes, int steps) const {
+    if constexpr (C > 1) {
+      MbarWait(Bar(kind, par), (n >> 1) & 1);
+      if (threadIdx.x == 0 && n + 2 < steps) MbarExpect(Bar(kind, par), bytes);
+    }
+  }
+};
+
 __device__ __forceinline__ float LecunTanh(float x) { return kLecunA * tanhf(kLecunB * x); }
 __device__ __forceinline__ float LecunTanhGradFromOut(float y) {
   const float t = y / kLecunA;
@@ -429,44 +490,18 @@ cfc_fwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
   BuildForwardTable(task + L * lay.task_ld, nhe, d.Kh, Hce, HeadsW<SmemW>(d, lay, s, sm, w).qs, true);
   for (int j = tid; j < H; j += kNT) z[I + j] = h0[sb * H + j];
 
-  // Exchange bookkeeping (C > 1): rbase[r] = cluster address of rank r's shared memory.
-  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);  // mbarrier (kind, par) at mbar0 + 8 (2 kind + par)
-  uint32_t rbase[C];
-#pragma unroll
-  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  // Exchange kind l < L: backbone layer l's activations (U floats, T steps); kind L: h_t (H floats, T - 1 steps).
+  const ClusterExchange<C> ex(sm, lay.mbar);
   auto kind_bytes = [&](int kind) { return uint32_t(4 * (kind < L ? U : H)); };
-  auto kind_steps = [&](int kind) { return kind < L ? T : T - 1; };  // steps that run the exchange
-  if constexpr (C > 1) {
-    if (tid == 0) {
-      for (int kind = 0; kind <= L; ++kind)
-        for (int par = 0; par < 2; ++par) {
-          const uint32_t bar = mbar0 + 8 * (2 * kind + par);
-          MbarInit(bar);
-          if (par < kind_steps(kind)) MbarExpect(bar, kind_bytes(kind));
-        }
-      MbarInitFence();
-    }
-  }
+  auto kind_steps = [&](int kind) { return kind < L ? T : T - 1; };
+  ex.Init(L + 1, kind_bytes, kind_steps);
   // Sends v to element `e` (float offset in shared memory) of every CTA of the cluster.
-  auto broadcast = [&](int e, float v, int kind, int t) {
-    if constexpr (C == 1) {
-      sm[e] = v;
-    } else {
-      const uint32_t bar_off = SmemAddr(sm + lay.mbar) - SmemAddr(sm) + 8 * (2 * kind + (t & 1));
-#pragma unroll
-      for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off);
-    }
-  };
-  // Waits for exchange `kind` of step t, re-arms its mbarrier for step t + 2, and holds every
-  // thread until the whole CTA is past the exchange, so `red` can be overwritten. (The exchange
-  // alone orders that too, since every reader of `red` sends to this CTA after reading it, but
-  // compute-sanitizer's racecheck only knows block barriers.)
+  auto broadcast = [&](int e, float v, int kind, int t) { ex.Send(sm, e, v, kind, t & 1); };
+  // Waits for exchange `kind` of step t and holds every thread until the whole CTA is past the exchange, so `red`
+  // can be overwritten. (The exchange alone orders that too, since every reader of `red` sends to this CTA after
+  // reading it, but compute-sanitizer's racecheck only knows block barriers.)
   auto receive = [&](int kind, int t) {
-    if constexpr (C > 1) {
-      const uint32_t bar = mbar0 + 8 * (2 * kind + (t & 1));
-      MbarWait(bar, (t >> 1) & 1);
-      if (tid == 0 && t + 2 < kind_steps(kind)) MbarExpect(bar, kind_bytes(kind));
-    }
+    ex.Wait(kind, t, t & 1, kind_bytes(kind), kind_steps(kind));
     __syncthreads();
   };
 
@@ -759,40 +794,14 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
     Ap = w[d.off_A + s.j0 + jj];
   }
 
-  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
-  uint32_t rbase[C];
-#pragma unroll
-  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  // Exchange kind l < L: the backbone activations (U floats, T steps); kind L: h_t (H floats, T - 1 steps).
+  const ClusterExchange<C> ex(sm, lay.mbar);
   auto kind_bytes = [&](int kind) { return uint32_t(4 * (kind < L ? U : H)); };
   auto kind_steps = [&](int kind) { return kind < L ? T : T - 1; };
-  if constexpr (C > 1) {
-    if (tid == 0) {
-      for (int kind = 0; kind <= L; ++kind)
-        for (int par = 0; par < 2; ++par) {
-          const uint32_t bar = mbar0 + 8 * (2 * kind + par);
-          MbarInit(bar);
-          if (par < kind_steps(kind)) MbarExpect(bar, kind_bytes(kind));
-        }
-      MbarInitFence();
-    }
-  }
-  auto broadcast = [&](int e, float v, int kind, int t) {
-    if constexpr (C == 1) {
-      sm[e] = v;
-    } else {
-      const uint32_t bar_off = SmemAddr(sm + lay.mbar) - SmemAddr(sm) + 8 * (2 * kind + (t & 1));
-#pragma unroll
-      for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off);
-    }
-  };
-  // Every thread waits for the bytes of exchange `kind` of step t itself (C > 1); thread 0 re-arms.
-  auto wait = [&](int kind, int t) {
-    if constexpr (C > 1) {
-      const uint32_t bar = mbar0 + 8 * (2 * kind + (t & 1));
-      MbarWait(bar, (t >> 1) & 1);
-      if (tid == 0 && t + 2 < kind_steps(kind)) MbarExpect(bar, kind_bytes(kind));
-    }
-  };
+  ex.Init(L + 1, kind_bytes, kind_steps);
+  auto broadcast = [&](int e, float v, int kind, int t) { ex.Send(sm, e, v, kind, t & 1); };
+  // Every thread waits for the bytes of exchange `kind` of step t itself (C > 1).
+  auto wait = [&](int kind, int t) { ex.Wait(kind, t, t & 1, kind_bytes(kind), kind_steps(kind)); };
 
   // Per-step global addresses, advanced by one row a step.
   const float* xrow = xs + sb * T * I;
@@ -868,48 +877,6 @@ cfc_fwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
 // form step t + 2's partial before it has every CTA's step t + 1 partial, so two suffice.
 constexpr int kArRows = 24;  // own rows a split (two splits: Ic + Hc <= 48)
 
-// The one-exchange kernels' all-reduce exchange: every rank's shared-memory base, and two mbarriers at sm + mbar_off
-// (one a step parity), each expecting `bytes` a step. Thread 0 initialises them and arms the first two steps
-// (the caller's ClusterSync publishes that); Wait re-arms a parity's mbarrier for step n + 2 once step n's data is in.
-template <int C>
-struct ArExchange {
-  uint32_t mbar0, bytes, bar_off;
-  uint32_t rbase[C];
-  __device__ __forceinline__ ArExchange(float* sm, int mbar_off, uint32_t nbytes, int T) : bytes(nbytes) {
-    mbar0 = SmemAddr(sm + mbar_off);
-#pragma unroll
-    for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
-    if constexpr (C > 1) {
-      if (threadIdx.x == 0) {
-        for (int par = 0; par < 2; ++par) {
-          MbarInit(mbar0 + 8 * par);
-          if (par < T) MbarExpect(mbar0 + 8 * par, bytes);
-        }
-        MbarInitFence();
-      }
-    }
-    bar_off = mbar0 - SmemAddr(sm);
-  }
-  // v into element e of every rank's shared memory, counted on its mbarrier of parity par (C = 1: a local store).
-  __device__ __forceinline__ void Send(float* sm, int e, float v, int par) const {
-    if constexpr (C == 1) {
-      sm[e] = v;
-    } else {
-#pragma unroll
-      for (int r = 0; r < C; ++r) StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * par);
-    }
-  }
-  // Until step n's data (parity par = n & 1) from every rank is in (C = 1: a block barrier); T steps in all.
-  __device__ __forceinline__ void Wait(int n, int par, int T) const {
-    if constexpr (C > 1) {
-      MbarWait(mbar0 + 8 * par, (n >> 1) & 1);
-      if (threadIdx.x == 0 && n + 2 < T) MbarExpect(mbar0 + 8 * par, bytes);
-    } else {
-      __syncthreads();
-    }
-  }
-};
-
 struct ArLayout {
   int zo, zo_ld;     // own rows of z by step parity, two splits of kArRows at SplitStride(kArRows)
   int part;          // [2][C][U] partial vectors by step parity, slot = sender's rank
@@ -962,7 +929,9 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
   const int ph0 = sph * lay.act_s;
   const int pz = row_pos(d.Ic + jj);                 // where this unit's h lands among the own rows
 
-  const ArExchange<C> ex(sm, lay.mbar, uint32_t(4 * C * U), T);
+  const ClusterExchange<C> ex(sm, lay.mbar);  // one exchange a step: every rank's partials of all U units
+  const uint32_t part_bytes = uint32_t(4 * C * U);
+  ex.Init(1, [&](int) { return part_bytes; }, [&](int) { return T; });
 
   const float* xrow = xs + sb * T * I + s.x0;
   const float* tsp = ts + sb * T;
@@ -990,8 +959,9 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
     float p = RegDot(zo + sp * kS, wb, kArRows);
     p += __shfl_xor_sync(0xffffffffu, p, 1);
     const int e = lay.part + (par * C + c) * U + u;
-    if (sp == 0) ex.Send(sm, e, p, par);
-    ex.Wait(t, par, T);
+    if (sp == 0) ex.Send(sm, e, p, 0, par);
+    ex.Wait(0, t, par, part_bytes, T);
+    if constexpr (C == 1) __syncthreads();
     // Every unit's activation, the C partials added in rank order.
     if (tid < U) {
       const float* pp = sm + lay.part + par * C * U + tid;
@@ -1095,23 +1065,14 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
     const int owned = zspace(e) ? s.Ice + Hce : s.Uce;
     return uint32_t(4 * (C * owned + (e == 0 && c == 0 ? C : 0) + (zspace(e) ? C : 0)));
   };
-  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
-  if constexpr (C > 1) {
-    if (tid == 0) {
-      for (int e = 0; e <= L; ++e)
-        for (int par = 0; par < 2; ++par) {
-          const uint32_t bar = mbar0 + 8 * (2 * e + par);
-          MbarInit(bar);
-          if (par < T && kind_bytes(e) > 0) MbarExpect(bar, kind_bytes(e));
-        }
-      MbarInitFence();
-    }
-  }
+  const ClusterExchange<C> ex(sm, lay.mbar);
+  ex.Init(L + 1, kind_bytes, [&](int) { return T; });
+  // The owner rank is known at run time only, so its addresses are mapped at each store (not ex.Put's table).
   auto put = [&](int rank, int e_off, float v, int e, int par) {  // e_off: float offset in sm
     if constexpr (C == 1) {
       sm[e_off] = v;
     } else {
-      StAsync(MapRank(SmemAddr(sm + e_off), rank), v, MapRank(mbar0 + 8 * (2 * e + par), rank));
+      StAsync(MapRank(SmemAddr(sm + e_off), rank), v, MapRank(ex.Bar(e, par), rank));
     }
   };
   // Owner CTA and slot index (x = owner, y = idx) of entry k of the z vector (width K0) or of U.
@@ -1153,13 +1114,7 @@ cfc_bwd_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ Layout
   // n + 2, and holds every thread until the whole CTA is past the exchange (so `red` and the
   // vectors the partials were computed from can be overwritten). See kind_bytes for the skip.
   auto receive = [&](int e, int n) {
-    if constexpr (C > 1) {
-      if (kind_bytes(e) > 0) {
-        const uint32_t bar = mbar0 + 8 * (2 * e + (n & 1));
-        MbarWait(bar, (n >> 1) & 1);
-        if (tid == 0 && n + 2 < T) MbarExpect(bar, kind_bytes(e));
-      }
-    }
+    if (kind_bytes(e) > 0) ex.Wait(e, n, n & 1, kind_bytes(e), T);
     __syncthreads();
   };
 
@@ -1449,38 +1404,14 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
   const int pj = SplitPos(j * nh, d.k1, d.s1);      // the unit's nh entries of dph (16-byte aligned when nh = 4)
   const int pu = SplitPos(s.u0 + o1, d.k2, d.s2);  // where this lane's dpb lands (lane sp1 == 0)
 
-  const uint32_t mbar0 = SmemAddr(sm + lay.mbar);
-  uint32_t rbase[C];
-#pragma unroll
-  for (int r = 0; r < C; ++r) rbase[r] = MapRank(SmemAddr(sm), r);
+  // Exchange 0: the heads' gradients (NH floats, and rank 0 the H dts terms); 1: the backbone gradients (U floats).
+  const ClusterExchange<C> ex(sm, lay.mbar);
   auto kind_bytes = [&](int kind) { return uint32_t(4 * (kind == 0 ? NH + (c == 0 ? H : 0) : U)); };
-  if constexpr (C > 1) {
-    if (tid == 0) {
-      for (int kind = 0; kind < 2; ++kind)
-        for (int par = 0; par < 2; ++par) {
-          const uint32_t bar = mbar0 + 8 * (2 * kind + par);
-          MbarInit(bar);
-          if (par < T) MbarExpect(bar, kind_bytes(kind));
-        }
-      MbarInitFence();
-    }
-  }
-  const uint32_t bar_off = mbar0 - SmemAddr(sm);
-  auto put = [&](int r, int e, float v, int kind, int n) {  // element e (float offset) of rank r
-    if constexpr (C == 1) {
-      sm[e] = v;
-    } else {
-      StAsync(rbase[r] + 4 * e, v, rbase[r] + bar_off + 8 * (2 * kind + (n & 1)));
-    }
-  };
+  ex.Init(2, kind_bytes, [&](int) { return T; });
+  auto put = [&](int r, int e, float v, int kind, int n) { ex.Put(sm, r, e, v, kind, n & 1); };  // element e of rank r
   auto wait = [&](int kind, int n) {
-    if constexpr (C > 1) {
-      const uint32_t bar = mbar0 + 8 * (2 * kind + (n & 1));
-      MbarWait(bar, (n >> 1) & 1);
-      if (tid == 0 && n + 2 < T) MbarExpect(bar, kind_bytes(kind));
-    } else {
-      __syncthreads();
-    }
+    ex.Wait(kind, n, n & 1, kind_bytes(kind), T);
+    if constexpr (C == 1) __syncthreads();
   };
 
   // One step ahead in registers: the unit's inputs (ts, dhs, pre) and the backbone unit's activation.
@@ -1530,12 +1461,7 @@ cfc_bwd_reg_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ La
         *dph_r = g0;
       } else {
         const float4 g = HeadGrads(dh, uc, &dts_term);
-        if constexpr (C == 1) {
-          *reinterpret_cast<float4*>(sm + e) = g;
-        } else {
-#pragma unroll
-          for (int r = 0; r < C; ++r) StAsync4(rbase[r] + 4 * e, g, rbase[r] + bar_off + 8 * (n & 1));
-        }
+        ex.Send4(sm, e, g, 0, n & 1);
         dph_r[0] = g.x;
         dph_r[H] = g.y;
         dph_r[2 * H] = g.z;
@@ -1647,7 +1573,9 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
   float dh_carry = 0.f;
   const int pdb = SplitPos(tid, d.k2, d.s2);  // where unit tid's dpb lands (tid < U)
 
-  const ArExchange<C> ex(sm, lay.mbar, uint32_t(4 * C * (U + 1)), T);
+  const ClusterExchange<C> ex(sm, lay.mbar);  // one exchange a step: every rank's partials of all U units and dts
+  const uint32_t part_bytes = uint32_t(4 * C * (U + 1));
+  ex.Init(1, [&](int) { return part_bytes; }, [&](int) { return T; });
 
   // One step ahead in registers: the unit's inputs (ts, dhs, pre) and unit tid's backbone activation.
   float n_ts = 0.f, n_dh = 0.f, n_pre[4] = {0.f, 0.f, 0.f, 0.f}, n_act = 0.f;
@@ -1697,18 +1625,19 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
     {
       float p = RegDot(sm + lay.dph + par * 2 * kS + sp * kS, w1, kArEnt);
       p += __shfl_xor_sync(0xffffffffu, p, 1);
-      if (sp == 0) ex.Send(sm, lay.part + (par * C + c) * lay.part_ld + u, p, par);
+      if (sp == 0) ex.Send(sm, lay.part + (par * C + c) * lay.part_ld + u, p, 0, par);
       if (warp == 0) {
         float v = lane < s.Hce ? sm[lay.dts + par * 32 + lane] : 0.f;
         v = WarpSum(v);
-        if (lane == 0) ex.Send(sm, lay.part + (par * C + c) * lay.part_ld + U, v, par);
+        if (lane == 0) ex.Send(sm, lay.part + (par * C + c) * lay.part_ld + U, v, 0, par);
       }
     }
     // The next (earlier) step's coefficients, off the chain while the exchange is in flight.
     if (t > 0) {
       if (own_unit) uc = MakeUnitCoef(d.mode, n_ts, n_pre[0], n_pre[1], n_pre[2], n_pre[3], 0.f, 0.f);
     }
-    ex.Wait(n, par, T);
+    ex.Wait(0, n, par, part_bytes, T);
+    if constexpr (C == 1) __syncthreads();
     // Every backbone unit's gradient, the C partials added in rank order; rank 0's last warp forms dts_t.
     const float* pp = sm + lay.part + par * C * lay.part_ld;
     if (tid < U) {
