@@ -607,7 +607,7 @@ __host__ __device__ inline int FloorPow2(int n) {
 // the lanes of a quarter-warp reading up to 8 different splits at once. Split s starts at s * stride, with the
 // stride an odd number of float4s, so those 8 float4s lie in 8 different groups of 4 banks (kc = 24 or 64
 // unpadded put two splits in one group: twice the shared-memory wavefronts, ncu on the H200).
-__host__ __device__ inline int SplitStride(int kc) { return (kc / 4) % 2 ? kc : kc + 4; }
+__host__ __device__ constexpr int SplitStride(int kc) { return (kc / 4) % 2 ? kc : kc + 4; }
 // Position of element k of such a vector.
 __host__ __device__ inline int SplitPos(int k, int kc, int stride) { return k + (k / kc) * (stride - kc); }
 
@@ -891,7 +891,7 @@ cfc_fwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArL
                   const float* __restrict__ ts, const float* __restrict__ h0, const float* __restrict__ wflat,
                   float* __restrict__ hs, float* __restrict__ acts, float* __restrict__ pre) {
   extern __shared__ __align__(16) float sm[];
-  constexpr int kS = (kArRows / 4) % 2 ? kArRows : kArRows + 4;  // SplitStride(kArRows): the own-row splits' stride
+  constexpr int kS = SplitStride(kArRows);  // the own-row splits' stride
   const int c = C == 1 ? 0 : int(blockIdx.x % C);
   const int64_t sb = blockIdx.x / C;
   const float* w = wflat + (sb / d.B) * d.P;
@@ -1541,7 +1541,7 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
                   float* __restrict__ dts, float* __restrict__ dh0, float* __restrict__ dpre_bb,
                   float* __restrict__ dpre_h, float* __restrict__ partials) {
   extern __shared__ __align__(16) float sm[];
-  constexpr int kS = (kArEnt / 4) % 2 ? kArEnt : kArEnt + 4;  // SplitStride(kArEnt)
+  constexpr int kS = SplitStride(kArEnt);
   const int c = C == 1 ? 0 : int(blockIdx.x % C);
   const int64_t sb = blockIdx.x / C;
   const float* w = wflat + (sb / d.B) * d.P;
@@ -2053,16 +2053,21 @@ ffi::Error ByBackwardGeometry(const CfcDims& d, F&& f) {
 // H=U=128 at C=4). JAXFOX_CFC_ALLREDUCE=0 turns it off (A/B timing, tests: the register forward runs instead); read
 // once per process. It replaces the register forward's compiled geometry, so whatever turns that off (UseRegForward,
 // JAXFOX_CFC_REG=0; UseFixedGeometry, JAXFOX_CFC_FIXED=0) turns this off too.
-bool UseArForward(const CfcDims& d) {
+// What both one-exchange kernels need (UseArForward / UseArBackward add their own geometry): the switch on, compiled
+// geometries allowed, one backbone layer of U = kNT / 2 units, four heads (modes default / no_gate), C = 4.
+bool UseAllReduce(const CfcDims& d) {
   static const bool on = EnvSwitchOn("JAXFOX_CFC_ALLREDUCE");
-  return on && UseFixedGeometry() && d.reg_f && d.L == 1 && d.nh == 4 && d.mode != kPure && d.C == 4 && 2 * d.U == kNT &&
-         d.Ic + d.Hc <= 2 * kArRows && d.kch == 16 && d.Sh == 8 && CeilDiv(d.U, 16) == 8;
+  return on && UseFixedGeometry() && d.L == 1 && d.nh == 4 && d.mode != kPure && d.C == 4 && 2 * d.U == kNT;
+}
+
+bool UseArForward(const CfcDims& d) {
+  return UseAllReduce(d) && d.reg_f && d.Ic + d.Hc <= 2 * kArRows && d.kch == 16 && d.Sh == 8 && CeilDiv(d.U, 16) == 8;
 }
 
 ArLayout MakeArLayout(const CfcDims& d) {
   ArLayout s{};
   int o = 0;
-  s.zo = o; s.zo_ld = 2 * ((kArRows / 4) % 2 ? kArRows : kArRows + 4); o += 2 * s.zo_ld;
+  s.zo = o; s.zo_ld = 2 * SplitStride(kArRows); o += 2 * s.zo_ld;
   s.part = o; o += 2 * d.C * d.U;
   s.act = o; s.act_s = SplitStride(d.kch); s.act_ld = std::max(int(CeilDiv(d.U, d.kch)), d.Sh) * s.act_s;
   o += 2 * s.act_ld;
@@ -2077,14 +2082,12 @@ ArLayout MakeArLayout(const CfcDims& d) {
 // JAXFOX_CFC_FIXED=0 turn it off too. (Ranks other than 0 receive the dts partials and ignore them: one uniform byte
 // count per phase.)
 bool UseArBackward(const CfcDims& d) {
-  static const bool on = EnvSwitchOn("JAXFOX_CFC_ALLREDUCE");
-  return on && UseFixedGeometry() && d.reg_b && d.L == 1 && d.nh == 4 && d.mode != kPure && d.C == 4 && 2 * d.U == kNT && d.Hc <= 32 &&
-         4 * d.Hc <= 2 * kArEnt && d.k2 == 32 && d.S2 == 4;
+  return UseAllReduce(d) && d.reg_b && d.Hc <= 32 && 4 * d.Hc <= 2 * kArEnt && d.k2 == 32 && d.S2 == 4;
 }
 
 ArBwdLayout MakeArBwdLayout(const CfcDims& d) {
   ArBwdLayout s{};
-  const int kS = (kArEnt / 4) % 2 ? kArEnt : kArEnt + 4;
+  const int kS = SplitStride(kArEnt);
   int o = 0;
   s.dph = o; o += 2 * 2 * kS;
   s.dts = o; o += 2 * 32;
