@@ -1572,6 +1572,7 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
   const int jj = r2 - d.Ic, j = s.j0 + jj;
   float dh_carry = 0.f;
   const int pdb = SplitPos(tid, d.k2, d.s2);  // where unit tid's dpb lands (tid < U)
+  constexpr int kS2 = SplitStride(K2);        // = d.s2 (UseArBackward: d.k2 == K2), folded into (c)'s split offset
 
   const ClusterExchange<C> ex(sm, lay.mbar);  // one exchange a step: every rank's partials of all U units and dts
   const uint32_t part_bytes = uint32_t(4 * C * (U + 1));
@@ -1661,7 +1662,7 @@ cfc_bwd_ar_kernel(const __grid_constant__ CfcDims d, const __grid_constant__ ArB
     __syncthreads();  // all U backbone gradients in place
     // (c) input gradients: dx_t, and dh_carry for step t - 1.
     {
-      const float v = GroupSum(RegDot(sm + lay.dpb + par * d.pb_ld + sp2 * d.s2, w2, K2), S2);
+      const float v = GroupSum(RegDot(sm + lay.dpb + par * d.pb_ld + sp2 * kS2, w2, K2), S2);
       if (sp2 == 0) {
         if (row_x) *dx_r = v;
         if (row_h) dh_carry = v;
