@@ -334,6 +334,40 @@ def test_train_step_rejects_labels_of_the_wrong_shape():
         train_step(model, opt, x, jnp.zeros((4,), jnp.int32))
 
 
+def test_loss_fns_reject_labels_that_would_broadcast():
+    """The public loss_fn of both models took a [B, 1] y and broadcast the BCE to [B, B] (a wrong loss, no error);
+    train_step refused it. Now loss_fn refuses it too, and integer labels; a [B] y gives the mean BCE."""
+    from jaxfox.models import perception
+
+    v0 = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
+    full = perception.make_model(6, embed_dim=2, vsn_hidden=4, vsn_out=4, hidden=4, backbone_units=8, num_heads=2,
+                                 rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 5, 6))
+    y = jnp.array([0.0, 1.0, 0.0, 1.0])
+    for fn, model, logits in ((jaxfox.models.loss_fn, v0, lambda: v0(x)),
+                              (perception.loss_fn, full, lambda: full(x)[0])):
+        z = np.asarray(logits(), np.float64)
+        want = np.mean(np.logaddexp(0.0, z) - np.asarray(y) * z)  # BCE with logits, float64
+        np.testing.assert_allclose(float(fn(model, x, y)), want, rtol=1e-5)
+        with pytest.raises(ValueError, match=r"y must have shape \[B\] = \[4\]"):
+            fn(model, x, y[:, None])
+        with pytest.raises(TypeError, match="y must be float32"):
+            fn(model, x, y.astype(jnp.int32))
+
+
+def test_models_reject_windows_without_time_steps():
+    """T = 0 raised a bare IndexError from hs[:, -1]; now a ValueError names x and T (both models)."""
+    from jaxfox.models import perception
+
+    v0 = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
+    full = perception.make_model(6, embed_dim=2, vsn_hidden=4, vsn_out=4, hidden=4, backbone_units=8, num_heads=2,
+                                 rngs=nnx.Rngs(0))
+    for model in (v0, full):
+        with pytest.raises(ValueError, match=r"x must have at least one time step.*\(4, 0, 6\)"):
+            model(jnp.zeros((4, 0, 6)))
+        model(jnp.zeros((4, 1, 6)))  # one step is enough
+
+
 def test_benchmark_step_is_pure_and_jittable():
     step_fn, state, batch = benchmark_step(batch=8, window=12, num_features=5, hidden=8)
     x, y = batch

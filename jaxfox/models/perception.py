@@ -99,7 +99,7 @@ class Perception(nnx.Module):
         (logits [B] float32, vsn_weights [B, T, m] float32 summing to 1 over m).
 
         Raises:
-          ValueError: x is not [B, T, m] with m = num_features.  TypeError: x is not float32.
+          ValueError: x is not [B, T, m] with m = num_features and T >= 1.  TypeError: x is not float32.
         """
         check_window_batch(x, self.num_features)
         z, weights = self.vsn(self.embed(x))
@@ -116,7 +116,13 @@ def make_model(num_features: int, *, rngs: nnx.Rngs, **kwargs) -> Perception:
 
 
 def loss_fn(model: Perception, x, y):
-    """Mean binary cross-entropy of the logits of ``model(x)`` against labels y [B] in {0, 1} (float32)."""
+    """Mean binary cross-entropy of the logits of ``model(x)`` against labels y [B] in {0, 1} (float32).
+
+    Raises:
+      ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
+      TypeError: y is not float32.
+    """
+    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
     logits, _ = model(x)
     return optax.sigmoid_binary_cross_entropy(logits, y).mean()
 

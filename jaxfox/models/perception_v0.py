@@ -48,11 +48,15 @@ U = 128) and lower rates scored lower on validation."""
 
 
 def check_window_batch(x, num_features: int | None, rows: str = "B") -> None:
-    """Checks windows x [rows, T, m]: ValueError unless 3-D with m = num_features (any m when None), TypeError
-    unless float32. ``rows`` names the leading axis in the message ("B" for a batch, "N" for a data set)."""
+    """Checks windows x [rows, T, m]: ValueError unless 3-D with m = num_features (any m when None) and T >= 1 (the
+    models read the last state hs[:, -1]), TypeError unless float32. ``rows`` names the leading axis in the message
+    ("B" for a batch, "N" for a data set)."""
     if not hasattr(x, "shape") or len(x.shape) != 3 or (num_features is not None and x.shape[-1] != num_features):
         raise ValueError(f"x must have shape [{rows}, T, {'m' if num_features is None else num_features}], "
                          f"got {getattr(x, 'shape', type(x))}")
+    if x.shape[1] == 0:
+        raise ValueError(f"x must have at least one time step (T >= 1: the model reads the last CfC state), got "
+                         f"shape {tuple(x.shape)}")
     if x.dtype != jnp.float32:
         raise TypeError(f"x must be float32, got {x.dtype}")
 
@@ -122,7 +126,7 @@ class PerceptionV0(nnx.Module):
         """x [B, T, m] float32 (ts: elapsed bars per step, see :func:`jaxfox.cfc_scan`) -> logits [B] float32.
 
         Raises:
-          ValueError: x is not [B, T, m] with m = num_features.  TypeError: x is not float32.
+          ValueError: x is not [B, T, m] with m = num_features and T >= 1.  TypeError: x is not float32.
         """
         check_window_batch(x, self.num_features)
         hs = self.cfc(self.embed(x), ts)
@@ -175,9 +179,12 @@ def loss_fn(model: PerceptionV0, x, y):
     """Mean binary cross-entropy of ``model(x)`` logits [B] against labels y [B] in {0, 1} (float32).
 
     Raises:
-      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.loss_fn`).
+      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.loss_fn`),
+        or y is not float32.
+      ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
     """
     _check_v0(model, "loss_fn")
+    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
     return optax.sigmoid_binary_cross_entropy(model(x), y).mean()
 
 
