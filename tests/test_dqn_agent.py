@@ -113,6 +113,24 @@ def test_update_step_decreases_loss_and_sets_priorities():
     assert online0.dtype == np.float32 and state.online.flat.dtype == jnp.float32
 
 
+def test_update_on_an_empty_buffer_changes_nothing():
+    """make_update on an empty buffer ran an AdamW step on zero-weight placeholder items, wrote a priority into the
+    unfilled slot 0 and raised max_priority. Now a concrete empty buffer raises, and under jit (traced size) the
+    state comes back unchanged, leaf for leaf, with NaN losses."""
+    state, opt, dan = init_agent(jax.random.key(0), capacity=64, lr=1e-3)
+    update = make_update(opt, dan, support(), batch_size=8)
+    with pytest.raises(ValueError, match="replay buffer is empty"):
+        update(state, jax.random.key(1), 0.4)
+    new, info = jax.jit(update)(state, jax.random.key(1), 0.4)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isnan(float(info["loss"])) and np.isnan(np.asarray(info["loss_b"])).all()
+    # one item in: the same jitted update learns (the step counter and the optimizer count move)
+    state1 = state._replace(buffer=per.add(state.buffer, jax.tree.map(lambda x: x[:1], _fixed_items(4))))
+    new1, info1 = jax.jit(update)(state1, jax.random.key(1), 0.4)
+    assert int(new1.step) == 1 and int(new1.opt.count) == 1 and np.isfinite(float(info1["loss"]))
+
+
 # ---------------------------------------------------------------- one update against an independent oracle
 def _np_c51_target(p, pt, next_obs, r, discount, z, dan):
     """Float64 NumPy target of OPS.md "Branching C51": online argmax a* (double DQN), target distribution
@@ -398,6 +416,9 @@ def test_bad_sizes_support_and_update_arguments_raise_naming_them():
         BranchingC51(hidden=(8, 0), rngs=nnx.Rngs(0))
     m = BranchingC51(6, 2, 3, 5, hidden=[16, 8], rngs=nnx.Rngs(0))
     assert _params(m)["w1"].shape == (6, 16) and _params(m)["w2"].shape == (16, 8)
+    # a nested list gave "AttributeError: 'list' object has no attribute 'shape'"
+    with pytest.raises(TypeError, match=r"^x must be an array \[B, obs_dim\] = \[\?, 6\], got list"):
+        m([[0.0] * 6])
     # support: num_atoms was unchecked (1 -> the single atom -v_max, 0 -> an empty support) and a bool v_max
     # passed while a NumPy float32 was refused
     for n in (1, 0, True, 51.0):

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfox
 from jaxfox import per
-from jaxfox._validate import positive_int, real_scalar
+from jaxfox._validate import is_concrete, positive_int, real_scalar
 from jaxfox.sharding import batch_axis, batch_mesh, check_divisible
 
 __all__ = [
@@ -74,6 +74,7 @@ class BranchingC51(nnx.Module):
     Raises:
       ValueError: a size is not a positive int (N >= 2), ``hidden`` is not a pair of them; x is not
         [B, obs_dim] (on call).
+      TypeError: x is not an array (on call).
     """
 
     def __init__(self, obs_dim: int = 48, num_branches: int = 3, num_actions: int = 5, num_atoms: int = 51,
@@ -97,6 +98,8 @@ class BranchingC51(nnx.Module):
         self.ba = nnx.Param(jnp.zeros((num_branches * num_actions * num_atoms,), jnp.float32))
 
     def __call__(self, x):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"x must be an array [B, obs_dim] = [?, {self.obs_dim}], got {type(x).__name__}")
         if len(x.shape) != 2 or x.shape[1] != self.obs_dim:
             raise ValueError(f"x must have shape [B, obs_dim] = [?, {self.obs_dim}], got {tuple(x.shape)}")
         return apply(nnx.state(self, nnx.Param), x, (self.D, self.A, self.N))
@@ -110,7 +113,8 @@ def apply(params, x, dan):
 
     Raises:
       ValueError: x is not [B, F] with F the rows of params["w1"]; dan is not three ints (D, A, N) with
-        D * A * N the columns of params["wa"] and N those of params["wv"].
+        D * A * N the columns of params["wa"] and N those of params["wv"]. The params record only D * A, so a dan
+        with D and A swapped cannot be detected: pass the dan that :func:`init_agent` returned.
     """
     g = lambda name: params[name][...] if hasattr(params[name], "__getitem__") else params[name]  # noqa: E731
     w1, b1, w2, b2, wv, bv, wa, ba = (jnp.asarray(g(n)) for n in ("w1", "b1", "w2", "b2", "wv", "bv", "wa", "ba"))
@@ -289,6 +293,10 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     info = {"loss": weighted mean loss, "loss_unweighted": mean loss_b, "indices": [B] sampled slots,
     "loss_b": [B] per-sample loss}.
 
+    An empty replay buffer (size 0) has nothing to learn from: called with a concrete state, ``update`` raises;
+    under jit (a traced size) it returns the state unchanged (optimizer count, EMA, priorities included) and
+    info with NaN losses, instead of an AdamW step on zero-weight placeholder items.
+
     Data parallel over ``mesh`` (default: all local devices, :func:`jaxfox.sharding.batch_mesh`; the batch is split
     over :func:`jaxfox.sharding.batch_axis`: the only axis of a one-axis mesh, else "batch"): the whole update runs
     in one ``jax.shard_map`` in which every device holds the whole (replicated) agent state and draws the same B
@@ -301,7 +309,8 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     Raises:
       ValueError: ``batch_size`` is not an int >= 1 or not divisible by the number of devices on the batch axis,
         ``priority_eps`` is not finite and >= 0 (under jit a negative priority would be stored as 0, so
-        the slot would never be sampled again), or the mesh has several axes and none is named "batch".
+        the slot would never be sampled again), or the mesh has several axes and none is named "batch";
+        ``update`` called on a concrete empty buffer.
       TypeError: ``priority_eps`` is not a real scalar (a bool, a string, a traced value).
     """
     batch_size = positive_int("batch_size", batch_size)
@@ -334,9 +343,21 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
         target = jaxfox.ema_update(state.target, online, tau)
         buf = per.update(state.buffer, idx, loss_b + priority_eps)
         new = AgentState(online, target, opt_state, buf, state.step + 1)
-        return new, {"loss": lw, "loss_unweighted": jnp.mean(loss_b), "indices": idx, "loss_b": loss_b}
+        info = {"loss": lw, "loss_unweighted": jnp.mean(loss_b), "indices": idx, "loss_b": loss_b}
+        # An empty buffer (traced size 0): per.sample gave placeholder slots of weight 0; keep the old state.
+        empty = state.buffer.size == 0
+        # (leaves the update passes through, the buffer's items, are not selected: no copy of the buffer)
+        new = jax.tree.map(lambda old, upd: upd if upd is old else jnp.where(empty, old, upd), state, new)
+        info = {k: jnp.where(empty, jnp.nan, v) if k != "indices" else v for k, v in info.items()}
+        return new, info
 
     # check_vma=False: everything but the rows is replicated by construction (same inputs, same key, and the
     # gradient and losses made identical by the collectives above).
-    update = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+
+    def update(state: AgentState, key, beta):
+        if is_concrete(state.buffer.size) and int(np.asarray(state.buffer.size)) == 0:
+            raise ValueError("update: the replay buffer is empty (state.buffer.size == 0); add transitions first")
+        return sharded(state, key, beta)
+
     return update
