@@ -162,8 +162,12 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
       TypeError: an input is not a float32/bfloat16 array; kappa is not a concrete real scalar (a bool, a string,
         a traced value).
       ValueError: wrong ranks or mismatched B/N (the message names the argument and both shapes); N' = 0
-        (a mean over no target samples); kappa <= 0 or not finite.
+        (a mean over no target samples); B = 0 without per_sample (a mean over no states); kappa <= 0 or
+        not finite.
+      TypeError: per_sample is not a Python bool.
     """
+    if not isinstance(per_sample, bool):
+        raise TypeError(f"per_sample must be a Python bool (it picks the output's shape), got {per_sample!r}")
     _check_float_array("online_quantiles", online_quantiles)
     _check_float_array("taus", taus)
     _check_float_array("target_quantiles", target_quantiles)
@@ -178,6 +182,9 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
                          f"shape {tuple(target_quantiles.shape)}")
     if tuple(taus.shape) not in ((B, N), (N,)):
         raise ValueError(f"taus must have shape [B, N] = [{B}, {N}] or [N] = [{N}], got {tuple(taus.shape)}")
+    if B == 0 and not per_sample:
+        raise ValueError("online_quantiles must have at least one row (the loss is a mean over the batch), got B = 0; "
+                         "per_sample=True gives the empty [0] losses")
     kappa = positive_float32("kappa", kappa)
     f32 = jnp.float32
     z = online_quantiles.astype(f32)

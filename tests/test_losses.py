@@ -170,6 +170,14 @@ def test_quantile_huber_errors():
         jaxfox.quantile_huber_loss(z, t, y, 0.0)
     with pytest.raises(TypeError, match="target_quantiles"):
         jaxfox.quantile_huber_loss(z, t, y.astype(jnp.int32))
+    # B = 0: the batch mean was NaN (a mean over no states); per_sample gives the empty [0] losses
+    with pytest.raises(ValueError, match="at least one row.*B = 0"):
+        jaxfox.quantile_huber_loss(z[:0], t[0], y[:0])
+    assert jaxfox.quantile_huber_loss(z[:0], t[0], y[:0], per_sample=True).shape == (0,)
+    # per_sample picks the output shape: a truthy string or an array was taken as True
+    for bad in ("no", jnp.array(True), 1):
+        with pytest.raises(TypeError, match="per_sample must be a Python bool"):
+            jaxfox.quantile_huber_loss(z, t, y, per_sample=bad)
 
 
 # ---------------------------------------------------------------- quantile embedding
