@@ -258,6 +258,10 @@ def test_trainers_refuse_batches_of_wrong_shape():
     for name, key, bad, want in cases:
         with pytest.raises(ValueError, match=rf"^{name} batch\['{key}'\] must have shape {want}"):
             jax.jit(tr.aux_step)(st, {**b, name: {**b[name], key: bad}})
+    # an integer reward or discount (or label) was accepted and promoted silently
+    for name, key in (("iqn", "reward"), ("iqn", "discount"), ("iql", "q"), ("attn", "y")):
+        with pytest.raises(TypeError, match=rf"^{name} batch\['{key}'\] must be float32, got int32"):
+            jax.jit(tr.aux_step)(st, {**b, name: {**b[name], key: b[name][key].astype(jnp.int32)}})
     # unchanged for good batches, e.g. the MSE of the attention trainer against NumPy's
     _, info = tr.attention_step(st.attn, b["attn"])
     with jax.default_matmul_precision("highest"):
@@ -347,3 +351,27 @@ def test_public_namespaces_resolve_every_listed_name():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_helpers_reject_bad_sizes_before_anything_runs():
+    """iql_init / iqn_init / synthetic_batch had no checks: a 0 size raised ZeroDivisionError, a negative one an
+    MLIRError, a float was truncated; iqn_quantiles gave dot_general's message for obs of the wrong width."""
+    k = jax.random.key(0)
+    for call, name in ((lambda: iql_init(k, 0), "obs_dim"), (lambda: iql_init(k, 4.7), "obs_dim"),
+                       (lambda: iql_init(k, 4, hidden=(0,)), r"hidden\[0\]"),
+                       (lambda: iql_init(k, 4, hidden=(-3,)), r"hidden\[0\]"),
+                       (lambda: iql_init(k, 4, hidden=8), "hidden"),
+                       (lambda: iql_init(k, 4, num_networks=0), "num_networks"),
+                       (lambda: iqn_init(k, 0), "obs_dim"), (lambda: iqn_init(k, 4, hidden=2.5), "hidden"),
+                       (lambda: iqn_init(k, 4, n_cos=0), "n_cos"),
+                       (lambda: synthetic_batch(k, SMALL, -1), "batch_size"),
+                       (lambda: synthetic_batch(k, SMALL, 2.5), "batch_size")):
+        with pytest.raises(ValueError, match=name):
+            call()
+    p = iqn_init(k, SMALL.obs_dim, SMALL.iqn_hidden, SMALL.n_cos)
+    with pytest.raises(ValueError, match=r"obs must have shape \[B, F\] = \[\?, 16\].*\(4, 15\)"):
+        iqn_quantiles(p, jnp.ones((4, SMALL.obs_dim - 1)), jnp.full((4, 3), 0.5), SMALL.n_cos)
+    # the checked sizes give the documented shapes
+    q = iql_init(k, 5, hidden=(7, 3), num_networks=2)
+    assert [w.shape for w in q["w"]] == [(2, 5, 7), (2, 7, 3), (2, 3, 1)]
+    assert [b.shape for b in q["b"]] == [(2, 7), (2, 3), (2, 1)]

@@ -152,6 +152,8 @@ def _check_batch(trainer, batch, spec):
             sizes = ", ".join("?" if w is None else str(w) for w in want)
             raise ValueError(f"{trainer} batch[{key!r}] must have shape [{names}] = [{sizes}], got "
                              f"{shape if shape is not None else type(x).__name__}")
+        if x.dtype != jnp.float32:  # an integer reward or discount was accepted and promoted silently
+            raise TypeError(f"{trainer} batch[{key!r}] must be float32, got {x.dtype}")
 
 
 def _dense(key, fan_in, fan_out, lead=()):
@@ -174,9 +176,17 @@ def _decay_mask(params):
 def iql_init(key, obs_dim, hidden=(128,), num_networks=2):
     """Stacked params of G value networks obs_dim -> *hidden -> 1: ``{"w": [[G, in, out]...], "b": [[G, out]...]}``.
 
-    He-normal weights, zero biases; each network gets its own random weights.
+    He-normal weights, zero biases; each network gets its own random weights. float32.
+
+    Raises:
+      ValueError: obs_dim, a hidden width or num_networks is not an int >= 1, or hidden is not a tuple/list.
     """
-    widths = (int(obs_dim), *(int(h) for h in hidden), 1)
+    obs_dim = positive_int("obs_dim", obs_dim)
+    if not isinstance(hidden, (tuple, list)):
+        raise ValueError(f"hidden must be a tuple of ints >= 1 (the hidden widths), got {hidden!r}")
+    hidden = [positive_int(f"hidden[{i}]", h) for i, h in enumerate(hidden)]
+    num_networks = positive_int("num_networks", num_networks)
+    widths = (obs_dim, *hidden, 1)
     keys = jax.random.split(key, len(widths) - 1)
     return {"w": [_dense(k, a, b, (num_networks,)) for k, a, b in zip(keys, widths[:-1], widths[1:])],
             "b": [jnp.zeros((num_networks, b), jnp.float32) for b in widths[1:]]}
@@ -233,9 +243,17 @@ def iql_loss(params, batch, expectiles, impl="fused"):
 # ----------------------------------------------------------------------------------------------
 # IQN head.
 def iqn_init(key, obs_dim, hidden=128, n_cos=64):
-    """IQN head params: w_s [F, H], b_s [H], w_phi [n_cos, H], b_phi [H], w_h [H, H], b_h [H], w_out [H, 1], b_out [1]."""
+    """IQN head params: w_s [F, H], b_s [H], w_phi [n_cos, H], b_phi [H], w_h [H, H], b_h [H], w_out [H, 1], b_out [1].
+
+    He-normal weights (w_out scaled by 0.1), zero biases, float32. F = obs_dim, H = hidden.
+
+    Raises:
+      ValueError: obs_dim, hidden or n_cos is not an int >= 1.
+    """
+    obs_dim = positive_int("obs_dim", obs_dim)
+    H = positive_int("hidden", hidden)
+    n_cos = positive_int("n_cos", n_cos)
     k = jax.random.split(key, 4)
-    H = int(hidden)
     return {"w_s": _dense(k[0], obs_dim, H), "b_s": jnp.zeros((H,), jnp.float32),
             "w_phi": _dense(k[1], n_cos, H), "b_phi": jnp.zeros((H,), jnp.float32),
             "w_h": _dense(k[2], H, H), "b_h": jnp.zeros((H,), jnp.float32),
@@ -246,10 +264,18 @@ def iqn_quantiles(params, obs, taus, n_cos=64):
     """Z_tau(s): obs [B, F], taus [B, N] -> [B, N] float32 (module docstring for the network).
 
     psi(s) is one XLA matmul; the rest is :func:`jaxfox.iqn_head` (fused kernels on CUDA, which never
-    write the [B, N, H] activations). n_cos must match ``params["w_phi"]`` (ValueError otherwise).
+    write the [B, N, H] activations).
+
+    Raises:
+      ValueError: n_cos does not match ``params["w_phi"]``; obs is not [B, F] with F the rows of
+        ``params["w_s"]`` (taus are checked by :func:`jaxfox.iqn_head`).
     """
     if params["w_phi"].shape[0] != n_cos:
         raise ValueError(f"n_cos={n_cos} does not match params['w_phi'] of shape {tuple(params['w_phi'].shape)}")
+    F = params["w_s"].shape[0]
+    if getattr(obs, "ndim", None) != 2 or obs.shape[1] != F:
+        raise ValueError(f"obs must have shape [B, F] = [?, {F}] (F from params['w_s']), got "
+                         f"{tuple(getattr(obs, 'shape', ())) if hasattr(obs, 'shape') else type(obs).__name__}")
     return jaxfox.iqn_head(*_head_and_psi(params, obs), taus)
 
 
@@ -395,10 +421,14 @@ def synthetic_batch(key, config: AuxConfig, batch_size: int):
     """A learnable synthetic batch in the layout of the module docstring (tests, benchmarks).
 
     iql: q = 2 tanh(obs[:, 0]) + 0.5 obs[:, 1]^2 - 0.5 + 0.3 noise; iqn: reward = obs[:, 0] + 0.5 noise,
-    discount 0.9, next_obs = independent normal; attn: y = mean_t seq[:, t, 0] * 3 + 0.1 noise.
+    discount 0.9, next_obs = independent normal; attn: y = mean_t seq[:, t, 0] * 3 + 0.1 noise. float32.
+
+    Raises:
+      ValueError: batch_size is not an int >= 1, or the config is invalid (as :func:`make_aux`).
     """
     cfg = config
-    B, F, T, H = int(batch_size), cfg.obs_dim, cfg.seq_len, cfg.seq_dim
+    _check_config(cfg)
+    B, F, T, H = positive_int("batch_size", batch_size), cfg.obs_dim, cfg.seq_len, cfg.seq_dim
     k = jax.random.split(key, 8)
     n = lambda kk, shape: jax.random.normal(kk, shape, jnp.float32)  # noqa: E731
     obs = n(k[0], (B, F))
