@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_array", "in_open_unit_float32", "is_concrete", "positive_float32", "positive_int", "real_scalar"]
+__all__ = ["check_array", "float32_param_dtype", "in_open_unit_float32", "is_concrete", "positive_float32", "positive_int",
+           "real_scalar"]
 
 
 def is_concrete(x) -> bool:
@@ -25,6 +26,19 @@ def check_array(name, x, shape, dtype=jnp.float32):
     if len(x.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, x.shape)):
         want = "[" + ", ".join("?" if w is None else str(w) for w in shape) + "]"
         raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+
+
+def float32_param_dtype(fn, dtype):
+    """The ``dtype`` argument of an ``*_init`` whose op takes float32 parameters only: TypeError unless float32, so
+    that a bfloat16 init fails where it is asked for, not at the op's first call."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt != jnp.float32:
+        raise TypeError(f"{fn}: dtype must be float32 (the op takes float32 parameters; cast activations, not "
+                        f"parameters, to bfloat16), got {dtype!r}")
+    return dt
 
 
 def positive_int(name, value, minimum=1):

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match,
                          smem_per_block_limit)
-from jaxfox._validate import check_array as _check_array, is_concrete, positive_int as _positive_int
+from jaxfox._validate import check_array as _check_array, float32_param_dtype, is_concrete, positive_int as _positive_int
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
@@ -48,7 +48,7 @@ def _kernel_hidden_limit():
 
 def lecun_tanh(x):
     """1.7159 * tanh(0.666 * x), the ncps backbone activation; elementwise, x of any shape and float dtype
-    -> the same shape and dtype.
+    -> the same shape and dtype (an integer x is promoted as by ``jnp.tanh``: float32 with x64 off).
 
     Source: ncps's ``LeCun`` module (mlech26l/ncps, ``ncps/torch/cfc_cell.py``), after LeCun et al. 1998,
     "Efficient BackProp" (1.7159 tanh(2x / 3)).
@@ -86,7 +86,9 @@ def cfc_init(key, input_size, hidden_size, *, backbone_units=128, backbone_layer
 
     Raises:
       ValueError: a size is not a positive int (backbone_layers may be 0) or mode is unknown.
+      TypeError: dtype is not float32.
     """
+    dtype = float32_param_dtype("cfc_init", dtype)
     _check_mode(mode)
     I = _positive_int("input_size", input_size)
     H = _positive_int("hidden_size", hidden_size)

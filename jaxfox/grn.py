@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
-from jaxfox._validate import check_array as _check_array, positive_float32, positive_int as _positive_int
+from jaxfox._validate import (check_array as _check_array, float32_param_dtype, positive_float32,
+                              positive_int as _positive_int)
 from jaxfox.gemm import _precision_is_highest, _type_witness
 from jaxfox.reduce import _reduce_kernel, backward_tiling, reduce_chunks
 
@@ -92,7 +93,9 @@ def grn_init(key, input_size, hidden_size, output_size, *, context_size=None, dt
 
     Raises:
       ValueError: a size is not a positive int.
+      TypeError: dtype is not float32.
     """
+    dtype = float32_param_dtype("grn_init", dtype)
     I = _positive_int("input_size", input_size)
     H = _positive_int("hidden_size", hidden_size)
     O = _positive_int("output_size", output_size)
@@ -191,6 +194,13 @@ def _check_context(context, C, lead, params_name="params"):
     if context is None:
         raise ValueError(f"{params_name} has a context weight 'w3' [{C}, Hd]: a context [..., {C}] is required")
     _check_input("context", context, 1, (C,))
+    if context.ndim != len(lead) + 1:
+        # NumPy's rank promotion would align a [B, C] context with the last leading dim of a [B, T, I] input, and
+        # broadcast it along the wrong axis whenever B == T: one axis per leading dim is required (jax's
+        # jax_numpy_rank_promotion="raise" convention).
+        raise ValueError(f"context must have one axis per leading dim of the input plus C: rank {len(lead) + 1} "
+                         f"for leading dims {tuple(lead)}, got shape {tuple(context.shape)} (a static context of a "
+                         f"[B, T, ...] input is [B, 1, C]: context[:, None])")
     try:
         shape = jnp.broadcast_shapes(tuple(context.shape[:-1]), tuple(lead))
     except ValueError:
@@ -521,8 +531,9 @@ def grn(params, a, context=None, *, eps=1e-5):
       params: from :func:`grn_init` (float32). The skip is the identity when I == O, else the
         learned ``skip_w``/``skip_b``; ``w3`` (context weight) present iff a context is used.
       a: [..., I] float32 or bfloat16 (any number of leading dims, e.g. [B, T, I]).
-      context: [..., C] float32 or bfloat16 whose leading dims broadcast to a's (e.g. a static
-        context [B, 1, C] for a [B, T, I]); required iff ``params`` has ``w3``.
+      context: [..., C] float32 or bfloat16 of a's rank whose leading dims broadcast to a's (e.g. a static
+        context [B, 1, C] for a [B, T, I]; a [B, C] context is refused there: rank promotion would align B with
+        T); required iff ``params`` has ``w3``.
       eps: LayerNorm epsilon (> 0). 1e-5 by default; google-research's Keras code effectively
         used 1e-3.
 

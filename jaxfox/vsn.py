@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
-from jaxfox._validate import positive_float32, positive_int as _positive_int
+from jaxfox._validate import float32_param_dtype, positive_float32, positive_int as _positive_int
 from jaxfox.grn import (
     _FLAT_KEYS, _TcCfg, _check_context, _check_input, _common_dtype, _grn_apply, _grn_sizes, _grn_tc, _tc_params,
     _tc_routed, grn_init, layer_norm,
@@ -76,7 +76,9 @@ def vsn_init(key, num_vars, var_size, hidden_size, output_size, *, context_size=
 
     Raises:
       ValueError: a size is not a positive int.
+      TypeError: dtype is not float32.
     """
+    dtype = float32_param_dtype("vsn_init", dtype)
     m = _positive_int("num_vars", num_vars)
     d = _positive_int("var_size", var_size)
     H = _positive_int("hidden_size", hidden_size)
@@ -103,8 +105,10 @@ def _vsn_sizes(params):
                          "take no context)")
     I_s, C, H_s, O_s = _grn_sizes(params["selection"], "params['selection']", init="vsn_init")
     if I_s != m * d or O_s != m or H_s != H:
-        raise ValueError(f"params['selection'] must be a GRN with input m*d={m * d}, hidden {H} and output "
-                         f"m={m}; got input {I_s}, hidden {H_s}, output {O_s}")
+        raise ValueError(f"params['selection'] and params['variables'] do not match: params['variables'] holds "
+                         f"m={m} GRNs of input d={d} and hidden {H}, so the selection GRN must have input m*d={m * d}, "
+                         f"hidden {H} and output m={m}; params['selection'] has input {I_s}, hidden {H_s}, output "
+                         f"{O_s} (pass the dict of one vsn_init call)")
     return m, d, H, O, C
 
 
@@ -262,8 +266,8 @@ def vsn(params, xs, context=None, *, eps=1e-5):
       params: from :func:`vsn_init` (float32).
       xs: [..., m, d] float32 or bfloat16: the m variables, each embedded to width d
         (e.g. [B, T, m, d]).
-      context: [..., C] (leading dims broadcast to xs.shape[:-2], e.g. [B, 1, C] for a static
-        context of [B, T, m, d] inputs), fed to the selection GRN only; required iff
+      context: [..., C] (one axis per dim of xs.shape[:-2], each broadcasting to it, e.g. [B, 1, C] for a static
+        context of [B, T, m, d] inputs; [B, C] is refused there), fed to the selection GRN only; required iff
         ``params['selection']`` has ``w3``.
       eps: LayerNorm epsilon of every GRN (> 0).
 

@@ -321,6 +321,12 @@ def test_errors():
     _bad(lambda: grn(p, a), ValueError, "context", "required")
     _bad(lambda: grn(p, a, c[:, :1]), ValueError, "context", "[..., 2]", "(4, 1)")
     _bad(lambda: grn(p, a, jnp.ones((3, 2))), ValueError, "context", "(3,)", "(4,)")
+    # rank promotion: a [B, C] context of a [B, T, I] input was aligned with T and accepted whenever B == T
+    a3 = jnp.ones((4, 4, 5))
+    _bad(lambda: grn(p, a3, c), ValueError, "context", "rank 3", "(4, 2)", "context[:, None]")
+    _bad(lambda: grn(p, a, jnp.ones((2,))), ValueError, "context", "rank 2")
+    np.testing.assert_allclose(np.asarray(grn(p, a3, c[:, None])), np.asarray(grn(p, a3, jnp.ones((4, 4, 2)))),
+                               rtol=1e-6)
     _bad(lambda: grn(p, a, c.astype(jnp.int32)), TypeError, "context", "int32")
     q = random_grn_params(5, 6, 3)
     _bad(lambda: grn(q, a, c), ValueError, "context", "w3")

@@ -105,3 +105,22 @@ def test_a_python_int_beyond_float64_is_a_value_error_naming_the_argument():
     with pytest.raises(ValueError, match=r"^eps must be finite and in \(0, inf\)"):
         positive_float32("eps", 10**400)
     assert real_scalar("x", 2**1000, 0.0) == math.ldexp(1.0, 1000)  # large but within float64: unchanged
+
+
+def test_inits_refuse_a_parameter_dtype_their_op_rejects():
+    """cfc_init / attention_pool_init / grn_init / vsn_init took dtype=bfloat16 and their op then refused the params
+    ("params['heads_w'] must be float32"); an int dtype gave jax.random.uniform's message. Now the init raises."""
+    import jaxfox
+
+    k = jax.random.key(0)
+    calls = {"cfc_init": lambda dt: jaxfox.cfc_init(k, 3, 4, dtype=dt),
+             "attention_pool_init": lambda dt: jaxfox.attention_pool_init(k, 8, num_heads=2, dtype=dt),
+             "grn_init": lambda dt: jaxfox.grn_init(k, 3, 4, 5, dtype=dt),
+             "vsn_init": lambda dt: jaxfox.vsn_init(k, 2, 3, 4, 5, dtype=dt)}
+    for name, call in calls.items():
+        for dt in (jnp.bfloat16, jnp.int32, "not a dtype"):
+            with pytest.raises(TypeError, match=rf"{name}: dtype must be float32"):
+                call(dt)
+        for dt in (jnp.float32, np.float32, "float32"):
+            assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(call(dt)))
+
