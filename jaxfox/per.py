@@ -549,7 +549,9 @@ def beta_schedule(total_steps: int, beta0: float = 0.4, beta1: float = 1.0):
     T = _positive_int("total_steps", total_steps)
     b0 = _real_scalar("beta0", beta0, 0.0, 1.0, traced=False)
     b1 = _real_scalar("beta1", beta1, 0.0, 1.0, traced=False)
-    return optax.linear_schedule(b0, b1, T)
+    sched = optax.linear_schedule(b0, b1, T)
+    # float32 also under jax_enable_x64 (optax's schedule is float64 there)
+    return lambda step: jnp.asarray(sched(step), jnp.float32)
 
 
 def linear_beta(step, total_steps: int, beta0: float = 0.4, beta1: float = 1.0):

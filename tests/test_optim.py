@@ -425,6 +425,11 @@ def test_ema_validation():
     for tau in (True, np.bool_(True), jnp.asarray(True)):   # a bool is not a mixing weight, Python's or an array's
         with pytest.raises(TypeError, match="tau"):
             optim.ema_update(x, x, tau)
+    # float64 NumPy leaves with x64 off came back float32, not "in the leaf dtype" as documented
+    if not jax.config.jax_enable_x64:
+        y = {"a": np.ones(3)}
+        with pytest.raises(TypeError, match=r"target\['a'\] is float64 but jax_enable_x64 is off"):
+            optim.ema_update(y, y, 0.5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -498,6 +498,10 @@ def test_beta_schedule():
         assert abs(float(f(step)) - want) < 1e-6
         assert abs(float(per.linear_beta(step, 1000)) - want) < 1e-6
     assert abs(float(per.beta_schedule(10, 0.5, 0.9)(5)) - 0.7) < 1e-6
+    # float32 as documented, also under jax_enable_x64 (optax's schedule is float64 there)
+    with jax.enable_x64(True):
+        assert per.linear_beta(5, 10).dtype == jnp.float32 and per.beta_schedule(10)(jnp.int64(3)).dtype == jnp.float32
+    assert jax.jit(f)(jnp.int32(250)).dtype == jnp.float32
     with pytest.raises(ValueError, match="total_steps"):
         per.beta_schedule(0)
     with pytest.raises(ValueError, match="beta0"):
