@@ -275,7 +275,7 @@ def iqn_quantiles(params, obs, taus, n_cos=64):
     F = params["w_s"].shape[0]
     if getattr(obs, "ndim", None) != 2 or obs.shape[1] != F:
         raise ValueError(f"obs must have shape [B, F] = [?, {F}] (F from params['w_s']), got "
-                         f"{tuple(getattr(obs, 'shape', ())) if hasattr(obs, 'shape') else type(obs).__name__}")
+                         f"{tuple(obs.shape) if hasattr(obs, 'shape') else type(obs).__name__}")
     return jaxfox.iqn_head(*_head_and_psi(params, obs), taus)
 
 

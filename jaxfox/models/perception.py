@@ -33,8 +33,8 @@ import optax
 from flax import nnx
 
 from jaxfox._validate import positive_int
-from jaxfox.models.perception_v0 import (_check_labels, _map_padded_chunks, _run_epoch, check_window_batch,
-                                         data_parallel_step, make_benchmark_step, make_optimizer)
+from jaxfox.models.perception_v0 import (_check_batch_labels, _check_labels, _map_padded_chunks, _run_epoch,
+                                         check_window_batch, data_parallel_step, make_benchmark_step, make_optimizer)
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 
@@ -122,7 +122,7 @@ def loss_fn(model: Perception, x, y):
       ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
       TypeError: y is not float32.
     """
-    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
+    _check_batch_labels(x, y)
     logits, _ = model(x)
     return optax.sigmoid_binary_cross_entropy(logits, y).mean()
 

@@ -70,6 +70,11 @@ def _check_labels(y, n, rows: str) -> None:
         raise TypeError(f"y must be float32, got {y.dtype}")
 
 
+def _check_batch_labels(x, y) -> None:
+    """:func:`_check_labels` for a training batch: y must be [B] float32 with B = x's leading size."""
+    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
+
+
 def _map_padded_chunks(fn, x: np.ndarray, batch_size: int) -> tuple[np.ndarray, ...]:
     """``fn`` (jitted: x chunk [batch_size, ...] -> tuple of [batch_size, ...] arrays) over x [N, ...] in chunks of
     ``batch_size`` rows, the last one zero-padded so that any N reuses one compilation; the outputs' rows
@@ -184,7 +189,7 @@ def loss_fn(model: PerceptionV0, x, y):
       ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
     """
     _check_v0(model, "loss_fn")
-    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
+    _check_batch_labels(x, y)
     return optax.sigmoid_binary_cross_entropy(model(x), y).mean()
 
 
@@ -201,7 +206,7 @@ def data_parallel_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh=N
         or the batch (x's leading axis) is not divisible by the number of devices in ``mesh``.
       TypeError: y is not float32.
     """
-    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
+    _check_batch_labels(x, y)
     loss = loss_fn if loss is None else loss
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
