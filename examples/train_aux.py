@@ -37,6 +37,11 @@ import time
 
 import numpy as np
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # for examples/_cli.py, however this file is loaded (as a script, or by path)
+    sys.path.insert(0, _HERE)
+from _cli import check_finite, check_output_folder  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -54,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="initialisation, exploration and sampling seed")
     p.add_argument("--concurrent", action="store_true",
                    help="enable CONCURRENT command-buffer scheduling (GPU; must precede JAX's start)")
-    p.add_argument("--out", default="runs/aux", help="folder for metrics.json")
+    p.add_argument("--out", default="runs/aux", help="folder for metrics.json (a relative path is taken from the "
+                   "current directory)")
     args = p.parse_args(argv)
     for name in ("dqn_steps", "num_envs", "collect_steps", "steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
@@ -63,10 +69,9 @@ def parse_args(argv=None):
         p.error(f"--eps must be in [0, 1], got {args.eps}")
     if not 0 <= args.gamma < 1:
         p.error(f"--gamma must be in [0, 1), got {args.gamma}")
-    if not (np.isfinite(args.reward_scale) and args.reward_scale > 0):
-        p.error(f"--reward-scale must be a finite number > 0, got {args.reward_scale}")
-    if not (np.isfinite(args.lr) and args.lr >= 0):
-        p.error(f"--lr must be a finite number >= 0, got {args.lr}")
+    check_finite(p, args, ("reward_scale",), low=0, strict=True)
+    check_finite(p, args, ("lr",), low=0)
+    check_output_folder(p, args.out)
     return args
 
 

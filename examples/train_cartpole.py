@@ -31,6 +31,7 @@ Writes ``metrics.json`` (and ``curve.png``: eval return vs env steps) into ``--o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -38,13 +39,19 @@ import time
 
 import numpy as np
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # for examples/_cli.py, however this file is loaded (as a script, or by path)
+    sys.path.insert(0, _HERE)
+from _cli import check_finite, check_output_folder  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--total-steps", type=int, default=500_000, help="environment-step budget (all envs)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/cartpole")
+    p.add_argument("--out", default="runs/cartpole", help="folder for curve.png and metrics.json (a relative "
+                   "path is taken from the current directory)")
     p.add_argument("--num-envs", type=int, default=10, help="vmapped envs; one update per step of all of them")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--capacity", type=int, default=10_000)
@@ -75,15 +82,22 @@ def parse_args(argv=None):
                     f"got {getattr(args, name)}")
     if args.learning_starts < args.batch_size:
         p.error(f"--learning-starts must be >= --batch-size ({args.batch_size}), got {args.learning_starts}")
-    if args.total_steps <= args.learning_starts:
-        p.error(f"--total-steps must be > --learning-starts ({args.learning_starts}), got {args.total_steps}")
+    # the warm-up runs whole steps of all envs (learning_starts rounded up to a multiple of num_envs); at least
+    # one training iteration (one step of every env, one update) must fit in the budget after it
+    need = (-(-args.learning_starts // args.num_envs) + 1) * args.num_envs
+    if args.total_steps < need:
+        p.error(f"--total-steps must be >= {need} (the warm-up's --learning-starts {args.learning_starts} rounded "
+                f"up to whole steps of --num-envs {args.num_envs}, plus one training step), got {args.total_steps}")
     if not 0 <= args.gamma < 1:
         p.error(f"--gamma must be in [0, 1), got {args.gamma}")
-    if not args.v_max > 0:
-        p.error(f"--v-max must be > 0, got {args.v_max}")
-    for name in ("tau", "eps_start", "eps_end", "eps_frac"):
+    check_finite(p, args, ("v_max",), low=0, strict=True)
+    check_finite(p, args, ("lr", "weight_decay", "max_grad_norm", "alpha"), low=0)
+    for name in ("tau", "eps_start", "eps_end", "eps_frac", "beta0"):
         if not 0 <= getattr(args, name) <= 1:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.stop_at != args.stop_at:
+        p.error("--stop-at must be a number (inf: never stop early), got nan")
+    check_output_folder(p, args.out)
     return args
 
 
@@ -173,8 +187,8 @@ def main(argv=None) -> dict:
         (agent, s, o), _ = jax.lax.scan(body, (agent, s, o), jax.random.split(key, warm_iters))
         return agent, s, o
 
-    @jax.jit
-    def train_chunk(agent, s, o, key, it0):
+    @functools.partial(jax.jit, static_argnames=("length",))
+    def train_chunk(agent, s, o, key, it0, length):
         def body(c, k):
             agent, s, o, it = c
             frac = jnp.minimum((it + warm_iters).astype(jnp.float32) / decay, 1.0)
@@ -184,7 +198,7 @@ def main(argv=None) -> dict:
             agent = agent._replace(buffer=per.add(agent.buffer, trans))
             agent, info = update(agent, k_up, beta_at(agent.step))
             return (agent, s, o, it + 1), (info["loss_unweighted"], jnp.sum(done))
-        (agent, s, o, _), out = jax.lax.scan(body, (agent, s, o, it0), jax.random.split(key, args.eval_every))
+        (agent, s, o, _), out = jax.lax.scan(body, (agent, s, o, it0), jax.random.split(key, length))
         return agent, s, o, out
 
     eval_j = jax.jit(evaluate, static_argnums=2)
@@ -200,8 +214,11 @@ def main(argv=None) -> dict:
     bar = tqdm(range(n_chunks), desc="cartpole", file=sys.stderr)
     for _ in bar:
         key, k, k_ev = jax.random.split(key, 3)
-        agent, env_state, obs, (loss, dones) = train_chunk(agent, env_state, obs, k, jnp.asarray(it, jnp.int32))
-        it += args.eval_every
+        # at most --total-steps: the last chunk runs the remainder (one more compilation when there is one)
+        length = min(args.eval_every, train_iters - it)
+        agent, env_state, obs, (loss, dones) = train_chunk(agent, env_state, obs, k, jnp.asarray(it, jnp.int32),
+                                                           length=length)
+        it += length
         ret = np.asarray(eval_j(agent.online, k_ev, args.eval_episodes))
         steps = (warm_iters + it) * n_env
         hist["env_steps"].append(steps)

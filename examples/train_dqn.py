@@ -37,13 +37,19 @@ import time
 
 import numpy as np
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # for examples/_cli.py, however this file is loaded (as a script, or by path)
+    sys.path.insert(0, _HERE)
+from _cli import check_finite, check_output_folder, usage_error  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=4000, help="update steps (one env step of all envs each)")
     p.add_argument("--seed", type=int, default=0, help="initialisation, exploration and replay seed")
-    p.add_argument("--out", default="runs/dqn", help="folder for equity.png, loss.png, metrics.json")
+    p.add_argument("--out", default="runs/dqn", help="folder for equity.png, loss.png, metrics.json and "
+                   "curves.npz (a relative path is taken from the current directory)")
     p.add_argument("--num-envs", type=int, default=64, help="parallel (vmapped) environments")
     p.add_argument("--batch-size", type=int, default=1024, help="replay batch per update")
     p.add_argument("--capacity", type=int, default=2 ** 17, help="replay capacity (transitions)")
@@ -88,12 +94,10 @@ def parse_args(argv=None):
     for name in ("tau", "eps_start", "eps_end", "eps_frac", "beta0"):
         if not 0 <= getattr(args, name) <= 1:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    for name in ("reward_scale", "v_max"):  # a negative reward scale would train the agent to lose money
-        if not (np.isfinite(getattr(args, name)) and getattr(args, name) > 0):
-            p.error(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
-    for name in ("lr", "weight_decay", "max_grad_norm", "alpha", "cost_bps"):
-        if not (np.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
-            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(args, name)}")
+    # a negative reward scale would train the agent to lose money
+    check_finite(p, args, ("reward_scale", "v_max"), low=0, strict=True)
+    check_finite(p, args, ("lr", "weight_decay", "max_grad_norm", "alpha", "cost_bps"), low=0)
+    check_output_folder(p, args.out)
     return args
 
 
@@ -147,8 +151,11 @@ def main(argv=None) -> dict:
                                              support)
 
     t_start = time.perf_counter()
+    try:  # the longest episode depends on the instruments' common span: a usage error, not a traceback
+        env = Trading(episode_len=args.episode_len, cost_bps=args.cost_bps, instruments=args.instruments)
+    except ValueError as e:
+        usage_error(f"--episode-len {args.episode_len}: {e}")
     os.makedirs(args.out, exist_ok=True)
-    env = Trading(episode_len=args.episode_len, cost_bps=args.cost_bps, instruments=args.instruments)
     tr, te = env.train, env.test
     key = jax.random.key(args.seed)
     key, k_init = jax.random.split(key)
@@ -273,7 +280,8 @@ def main(argv=None) -> dict:
         "test_turnover_per_day": float(np.abs(np.diff(np.concatenate([np.zeros((1, D)), levels[acts]]), axis=0))
                                        .sum(1).mean()),
         "final_loss": loss_hist["loss"][-1] if loss_hist["loss"] else None,
-        "updates": int(agent.step), "transitions": int(agent.buffer.size),
+        "updates": int(agent.step), "buffer_size": int(agent.buffer.size),
+        "transitions": -(-args.learning_starts // args.num_envs) * args.num_envs + int(agent.step) * args.num_envs,
         "train_seconds": train_s, "wall_seconds": time.perf_counter() - t_start,
         "args": vars(args), "params": n_params,
     }

@@ -2,7 +2,7 @@
 
 Models (``--model``): ``full`` (the default): per-variable embedding -> VSN at every step -> CfC -> attention
 pooling over time -> GRN head -> logit (:mod:`jaxfox.models.perception`), which also reports the VSN's mean
-variable weights (printed, top 10, and drawn for all variables in ``vsn_weights.png``); ``v0``: per-variable
+variable weights (all of them printed, largest first, and drawn in ``vsn_weights.png``); ``v0``: per-variable
 embedding -> CfC -> last state -> logit (:mod:`jaxfox.models.perception_v0`). The CfC runs jaxfox.cfc_scan's
 CUDA kernels on a GPU and the pure-JAX reference on CPU. Data: :func:`jaxfox.data.market.make_windows`
 (S&P 500, NASDAQ, WTI features 1999-2018; train <= 2012, validation 2013-2015, test 2016-2018).
@@ -27,6 +27,11 @@ import sys
 import time
 
 import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # for examples/_cli.py, however this file is loaded (as a script, or by path)
+    sys.path.insert(0, _HERE)
+from _cli import check_finite, check_output_folder, usage_error  # noqa: E402
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -69,7 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed")
     p.add_argument("--out", default=None,
                    help="folder for curves.png, vsn_weights.png (full model) and metrics.json "
-                        "(default: runs/perception, or runs/perception_v0 with --model v0)")
+                        "(default: runs/perception, or runs/perception_v0 with --model v0; a relative path is "
+                        "taken from the current directory)")
     p.add_argument("--max-train-windows", type=int, default=None,
                    help="use only the most recent N training windows (quick runs; default: all)")
     args = p.parse_args(argv)
@@ -86,9 +92,8 @@ def parse_args(argv=None):
                  "heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("lr", "weight_decay", "input_noise"):
-        if not getattr(args, name) >= 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    check_finite(p, args, ("lr", "weight_decay", "input_noise"), low=0)
+    check_output_folder(p, args.out)
     if args.model == "full" and args.hidden % args.heads:
         p.error(f"--heads ({args.heads}) must divide --hidden ({args.hidden})")
     if args.max_features is not None and not 1 <= args.max_features <= len(FEATURE_NAMES):
@@ -145,12 +150,6 @@ def save_weights(path, names, weights, title):
     plt.close(fig)
 
 
-def _usage_error(message):
-    """Exits as argparse does for a bad argument (status 2, one line on stderr), for checks that need the data."""
-    print(f"{os.path.basename(sys.argv[0] or 'train_perception.py')}: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv=None) -> dict:
     """Runs the job; returns the metrics dict that is also written to ``<out>/metrics.json``."""
     args = parse_args(argv)
@@ -171,7 +170,6 @@ def main(argv=None) -> dict:
 
         train_epoch = full.train_epoch  # noqa: F811
 
-    os.makedirs(args.out, exist_ok=True)
     kernels = jaxfox.kernels_available()
     reason = jaxfox.kernels_unavailable_reason()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; CfC kernels used: {kernels}"
@@ -181,14 +179,15 @@ def main(argv=None) -> dict:
     try:  # errors that depend on the data (a window longer than the series): a usage error, not a traceback
         data = make_windows(args.window, max_features=args.max_features)
     except ValueError as e:
-        _usage_error(f"--window {args.window}: {e}")
+        usage_error(f"--window {args.window}: {e}")
     x_train, y_train = data.x_train, data.y_train
     if args.max_train_windows is not None:
         x_train, y_train = x_train[-args.max_train_windows:], y_train[-args.max_train_windows:]
     n, T, m = x_train.shape
     if n < args.batch_size:
-        _usage_error(f"--batch-size must be <= the {n} training windows of --window {args.window}, "
-                     f"got {args.batch_size}")
+        usage_error(f"--batch-size must be <= the {n} training windows of --window {args.window}, "
+                    f"got {args.batch_size}")
+    os.makedirs(args.out, exist_ok=True)  # after the checks that need the data: a usage error leaves no folder
     print(f"data: train {x_train.shape}, val {data.x_val.shape}, test {data.x_test.shape} "
           f"([windows, days, features]); positives train/val/test {y_train.mean():.3f}/"
           f"{data.y_val.mean():.3f}/{data.y_test.mean():.3f}; loaded in {time.perf_counter() - t0:.1f}s")

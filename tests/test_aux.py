@@ -316,9 +316,9 @@ def test_train_aux_main_tiny(tmp_path, capsys):
     # printed "loss 3.340 -> 3.340")
     assert "DQN: 10 updates" in out and "(means of the first and last 1)" in out
     assert len(m["dqn_loss"]) == 2 and m["dqn_loss"][0] != m["dqn_loss"][1]
-    for bad in (["--steps", "0"], ["--reward-scale", "-1"], ["--lr", "nan"]):
+    for bad in (["--steps", "0"], ["--reward-scale", "-1"], ["--lr", "nan"], ["--out", __file__]):
         with pytest.raises(SystemExit):
-            mod.main([*bad, "--out", str(tmp_path)])
+            mod.main(["--out", str(tmp_path), *bad])
 
 
 def test_notebook_executes(tmp_path, monkeypatch):

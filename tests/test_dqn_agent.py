@@ -466,7 +466,8 @@ def test_train_dqn_main_tiny(tmp_path):
     with open(os.path.join(out, "metrics.json")) as f:
         disk = json.load(f)
     assert disk["updates"] == 20 and m["updates"] == 20
-    assert disk["transitions"] == 256 + 20 * 8
+    # transitions collected (the warm-up's 256 plus 8 a step); it was the buffer's size, capped at --capacity
+    assert disk["transitions"] == 256 + 20 * 8 and disk["buffer_size"] == min(4096, 256 + 20 * 8)
     for k in ("agent", "buy_and_hold", "equal_weight", "flat"):
         for v in disk["test"][k].values():
             assert np.isfinite(v)
@@ -505,11 +506,22 @@ def test_cli_rejects_bad_args():
     # rewards without any error; a beta0 outside [0, 1] failed only after the data had loaded)
     for bad in (["--reward-scale", "-100"], ["--reward-scale", "0"], ["--reward-scale", "nan"], ["--v-max", "0"],
                 ["--beta0", "1.5"], ["--alpha", "-0.5"], ["--lr", "-1e-4"], ["--max-grad-norm", "inf"],
-                ["--cost-bps", "-5"], ["--weight-decay", "nan"]):
+                ["--cost-bps", "-5"], ["--weight-decay", "nan"], ["--out", __file__]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
     a = mod.parse_args(["--reward-scale", "1", "--v-max", "0.25", "--beta0", "1", "--alpha", "0"])
     assert (a.reward_scale, a.v_max, a.beta0, a.alpha) == (1.0, 0.25, 1.0, 0.0)
+
+
+def test_train_dqn_episode_longer_than_the_data_is_a_usage_error(tmp_path, capsys):
+    """--episode-len beyond the instruments' train span ended in the env's ValueError traceback; the folder is not
+    created for a run that cannot start."""
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as e:
+        _load_train_dqn().main(["--episode-len", "100000", "--steps", "1", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--episode-len 100000: episode_len must be <= " in err[-1], err
+    assert "Traceback" not in "\n".join(err) and not out.exists()
 
 
 def _load_example(name):
@@ -525,9 +537,17 @@ def test_cartpole_cli_rejects_bad_args():
     a = mod.parse_args([])
     assert (a.lr, a.gamma, a.num_atoms, a.v_max, a.batch_size, a.stop_at) == (2.5e-4, 0.99, 101, 100.0, 128, 475.0)
     for bad in (["--total-steps", "100"], ["--batch-size", "512", "--learning-starts", "100"],
-                ["--gamma", "1.0"], ["--num-atoms", "1"], ["--tau", "2"], ["--v-max", "0"]):
+                ["--gamma", "1.0"], ["--num-atoms", "1"], ["--tau", "2"], ["--v-max", "0"],
+                # a budget with no training step after the warm-up (learning_starts rounds up to whole steps of
+                # the envs: 1005 - 1000 ran 0 updates and exited 0), and values that failed deep inside jaxfox
+                # after JAX and gymnax had loaded, or were taken silently (--stop-at nan)
+                ["--total-steps", "1005", "--learning-starts", "1000"], ["--alpha", "-1"], ["--beta0", "5"],
+                ["--lr", "-1"], ["--weight-decay", "-1"], ["--max-grad-norm", "-1"], ["--v-max", "inf"],
+                ["--stop-at", "nan"], ["--out", __file__]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
+    assert mod.parse_args(["--total-steps", "1010", "--learning-starts", "1000"]).total_steps == 1010
+    assert mod.parse_args(["--stop-at", "inf"]).stop_at == float("inf")
 
 
 # ---------------------------------------------------------------- the notebook

@@ -348,11 +348,18 @@ def test_main_job_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
     for argv, match in ((["--max-features", "0"], "--max-features must be in [1, 48], got 0"),
                         (["--max-features", "100"], "--max-features must be in [1, 48], got 100"),
                         (["--batch-size", "100000"], "--batch-size must be <= the "),
-                        (["--window", "5000"], "--window 5000: window (5000) is longer than the ")):
+                        (["--window", "5000"], "--window 5000: window (5000) is longer than the "),
+                        # inf passed the ">= 0" checks and failed in the optimizer; a file as --out failed in
+                        # os.makedirs after JAX had started
+                        (["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+                        (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
+                        (["--out", __file__], "exists and is not a folder")):
+        out = tmp_path / "never"
         with pytest.raises(SystemExit) as e:
-            tp.main([*argv, "--epochs", "1", "--out", str(tmp_path)])
+            tp.main(["--epochs", "1", "--out", str(out), *argv])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and match in err[-1] and "Traceback" not in "\n".join(err), err
+        assert not out.exists()  # a usage error, also one found with the data loaded, leaves no empty folder
     # one output folder per model by default (a v0 run beside a full run's vsn_weights.png misled)
     assert tp.parse_args([]).out == "runs/perception"
     assert tp.parse_args(["--model", "v0"]).out == "runs/perception_v0"
