@@ -448,6 +448,21 @@ def test_bad_sizes_support_and_update_arguments_raise_naming_them():
             make_update(opt, dan, z, **kw)
     with pytest.raises(TypeError, match="^priority_eps must be a real scalar"):
         make_update(opt, dan, z, priority_eps=True)
+    # alpha and tau were checked only when the update was first traced; beta never: inside the update's shard_map it
+    # is a tracer, so per.sample could not check it, and beta = nan made the online parameters NaN without an error
+    for kw, name in (({"alpha": -1.0}, "alpha"), ({"tau": 2.0}, "tau"), ({"tau": float("nan")}, "tau")):
+        with pytest.raises(ValueError, match=f"^{name} must be finite and in"):
+            make_update(opt, dan, z, **kw)
+    state, opt, dan = init_agent(jax.random.key(0), capacity=64)
+    state = state._replace(buffer=per.add(state.buffer, _fixed_items(8, seed=1)))
+    update = make_update(opt, dan, z, batch_size=8)  # the tests' 8 CPU devices share the batch
+    for beta in (float("nan"), 5.0, -3.0):
+        with pytest.raises(ValueError, match=r"^beta must be finite and in \[0, 1\]"):
+            update(state, jax.random.key(1), beta)
+    with pytest.raises(TypeError, match="^beta must be a real scalar"):
+        update(state, jax.random.key(1), True)
+    new, info = update(state, jax.random.key(1), 0.5)  # a traced beta (under jit) is not checked, as per.sample's
+    assert int(new.step) == 1 and np.isfinite(float(info["loss"]))
 
 
 def _load_train_dqn():

@@ -279,6 +279,26 @@ def test_predict_checks_the_whole_x_before_padding():
     np.testing.assert_allclose(w, ref_w.mean(1), rtol=1e-5, atol=1e-7)
 
 
+def test_full_model_functions_refuse_the_v0_model():
+    """jaxfox.models.perception's functions on a PerceptionV0 (whose call returns logits [B], not (logits, weights))
+    failed with "too many values to unpack", or for B = 2 unpacked the two logits and returned a wrong loss
+    silently. Now a TypeError names the v0 function to use (the reverse of test_perception.py's check)."""
+    from jaxfox.models import PerceptionV0
+    from jaxfox.models import perception as pf
+
+    v0 = PerceptionV0(5, embed_dim=2, hidden=4, backbone_units=8, rngs=nnx.Rngs(0))
+    opt = make_optimizer(v0)
+    x, y = jnp.zeros((2, 6, 5), jnp.float32), jnp.array([0.0, 1.0], jnp.float32)
+    calls = {"loss_fn": lambda: pf.loss_fn(v0, x, y), "train_step": lambda: train_step(v0, opt, x, y),
+             "train_epoch": lambda: pf.train_epoch(v0, opt, x, y, jax.random.key(0), batch_size=2),
+             "predict_logits": lambda: predict(v0, x), "evaluate": lambda: evaluate(v0, x, np.array([0, 1]))}
+    for use, call in calls.items():
+        with pytest.raises(TypeError, match=r"model must be a jaxfox.models.Perception \(these are the full model's "
+                                            rf"training functions\), got PerceptionV0; for jaxfox.models.PerceptionV0 "
+                                            rf"use jaxfox.models.{use}(\s|$)"):
+            call()
+
+
 def test_perception_train_step_lowers_loss():
     model = make_model(6, embed_dim=2, vsn_hidden=8, vsn_out=8, hidden=8, backbone_units=16, num_heads=2,
                        rngs=nnx.Rngs(0))

@@ -257,7 +257,26 @@ class AgentState(NamedTuple):
 
 def init_agent(key, *, obs_dim=48, num_branches=3, num_actions=5, num_atoms=51, capacity=2 ** 17,
                lr=1e-4, weight_decay=1e-4, max_grad_norm=10.0):
-    """Builds (AgentState, optimizer, dan) with a fresh network; target = online copy; empty PER buffer."""
+    """Builds (AgentState, optimizer, dan) with a fresh network; target = online copy; empty PER buffer.
+
+    Args:
+      key: a ``jax.random`` key (the network's initialisation).
+      obs_dim: F, observation width; num_branches: D action branches; num_actions: A actions a branch;
+        num_atoms: N atoms of each return distribution (the network: :class:`BranchingC51`).
+      capacity: replay slots (:func:`jaxfox.per.init`; items are :class:`Transition` of float32 obs [F],
+        int32 action [D], float32 reward, discount and next_obs).
+      lr, weight_decay, max_grad_norm: :func:`jaxfox.fused_adamw`'s learning rate, decoupled weight decay and
+        global-norm clip.
+
+    Returns:
+      ``(state, opt, dan)``: an :class:`AgentState` (step 0), the optimizer for :func:`make_update`, and
+      ``dan = (D, A, N)``.
+
+    Raises:
+      ValueError / TypeError: from :class:`BranchingC51` (sizes not ints >= 1; num_atoms >= 2),
+        :func:`jaxfox.per.init` (capacity) or :func:`jaxfox.fused_adamw` (lr, weight_decay, max_grad_norm not
+        finite and >= 0; ``lr`` is named ``learning_rate`` there), each naming the argument.
+    """
     model = BranchingC51(obs_dim, num_branches, num_actions, num_atoms, rngs=nnx.Rngs(key))
     params = {k: v[...] for k, v in nnx.state(model, nnx.Param).items()}
     online = jaxfox.FlatParams.from_tree(params)
@@ -285,6 +304,10 @@ def batch_loss(online, target, batch: Transition, weights, dan, z, *, bf16=True)
 def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_eps=1e-3, bf16=True, mesh=None):
     """The full DQN update as ONE pure function ``update(state, key, beta) -> (state, info)``; jit it.
 
+    ``state``: an :class:`AgentState` (from :func:`init_agent`); ``key``: a ``jax.random`` key (the PER draw);
+    ``beta``: the importance-weight exponent in [0, 1] (a float or a 0-d array, e.g. a
+    :func:`jaxfox.per.beta_schedule` value; checked when concrete, as ``alpha`` and ``tau`` are here).
+
     Steps: (idx, w) = per.sample(buffer, key, B, alpha, beta); batch = per.sample_items(buffer, idx);
     loss = mean(w * categorical_double_q_loss(...)) with online (bf16 forward) and target logits; grads by
     autodiff into the float32 master buffer; fused AdamW (``opt.step`` when the optimizer has it, else
@@ -309,12 +332,17 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     Raises:
       ValueError: ``batch_size`` is not an int >= 1 or not divisible by the number of devices on the batch axis,
         ``priority_eps`` is not finite and >= 0 (under jit a negative priority would be stored as 0, so
-        the slot would never be sampled again), or the mesh has several axes and none is named "batch";
-        ``update`` called on a concrete empty buffer.
-      TypeError: ``priority_eps`` is not a real scalar (a bool, a string, a traced value).
+        the slot would never be sampled again), ``alpha`` is not finite and >= 0, ``tau`` is not in [0, 1], or
+        the mesh has several axes and none is named "batch"; ``update`` called on a concrete empty buffer or
+        with a concrete ``beta`` outside [0, 1] (or NaN: inside the update's ``shard_map`` it is traced, where
+        :func:`jaxfox.per.sample` cannot check it, and a NaN beta made the parameters NaN).
+      TypeError: ``priority_eps``, ``alpha`` or ``tau`` is not a real scalar (a bool, a string; ``priority_eps``
+        traced), or ``beta`` is not a real scalar.
     """
     batch_size = positive_int("batch_size", batch_size)
     priority_eps = real_scalar("priority_eps", priority_eps, 0.0, traced=False)
+    real_scalar("alpha", alpha, 0.0)
+    real_scalar("tau", tau, 0.0, 1.0)
     mesh = batch_mesh() if mesh is None else mesh
     axis = batch_axis(mesh)
     check_divisible("batch_size", batch_size, mesh, axis_name=axis)
@@ -356,6 +384,7 @@ def make_update(opt, dan, z, *, batch_size=1024, alpha=0.5, tau=0.005, priority_
     sharded = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
 
     def update(state: AgentState, key, beta):
+        real_scalar("beta", beta, 0.0, 1.0)
         if is_concrete(state.buffer.size) and int(np.asarray(state.buffer.size)) == 0:
             raise ValueError("update: the replay buffer is empty (state.buffer.size == 0); add transitions first")
         return sharded(state, key, beta)

@@ -33,8 +33,9 @@ import optax
 from flax import nnx
 
 from jaxfox._validate import positive_int
-from jaxfox.models.perception_v0 import (_check_batch_labels, _check_labels, _map_padded_chunks, _run_epoch,
-                                         check_window_batch, data_parallel_step, make_benchmark_step, make_optimizer)
+from jaxfox.models.perception_v0 import (_check_batch_labels, _check_labels, _check_model, _map_padded_chunks,
+                                         _run_epoch, check_window_batch, data_parallel_step, make_benchmark_step,
+                                         make_optimizer)
 from jaxfox.nn.cfc import CfC
 from jaxfox.nn.tft import GRN, VSN, AttentionPool
 
@@ -115,13 +116,22 @@ def make_model(num_features: int, *, rngs: nnx.Rngs, **kwargs) -> Perception:
     return Perception(num_features, rngs=rngs, **kwargs)
 
 
+def _check_full(model, fn: str) -> None:
+    """:func:`jaxfox.models.perception_v0._check_model` for this module's functions (the full model's)."""
+    v0 = {"predict": "predict_logits"}.get(fn, fn)
+    _check_model(model, fn, Perception, "the full model's", "PerceptionV0", f"jaxfox.models.{v0}")
+
+
 def loss_fn(model: Perception, x, y):
     """Mean binary cross-entropy of the logits of ``model(x)`` against labels y [B] in {0, 1} (float32).
 
     Raises:
-      ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
-      TypeError: y is not float32.
+      ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]); x is not
+        [B, T, m] with m = ``model.num_features`` and T >= 1.
+      TypeError: model is not a :class:`Perception` (model v0's is :func:`jaxfox.models.loss_fn`); y or x is not
+        float32.
     """
+    _check_full(model, "loss_fn")
     _check_batch_labels(x, y)
     logits, _ = model(x)
     return optax.sigmoid_binary_cross_entropy(logits, y).mean()
@@ -135,8 +145,12 @@ def train_step(model: Perception, optimizer: nnx.Optimizer, x, y, *, mesh=None):
     Data parallel over ``mesh`` (default: all local devices), as :func:`jaxfox.models.perception_v0.train_step`.
 
     Raises:
-      ValueError: B is not divisible by the number of devices in the mesh.
+      ValueError: B is not divisible by the number of devices in the mesh; x or y of the wrong shape (as
+        :func:`loss_fn`).
+      TypeError: model is not a :class:`Perception` (model v0's is :func:`jaxfox.models.train_step`); x or y is
+        not float32.
     """
+    _check_full(model, "train_step")
     return data_parallel_step(model, optimizer, x, y, mesh, loss=loss_fn)
 
 
@@ -144,7 +158,9 @@ def train_epoch(model: Perception, optimizer: nnx.Optimizer, x, y, key, *, batch
                 input_noise: float = 0.0, mesh=None):
     """One epoch of :func:`train_step`s in one compiled call, as :func:`jaxfox.models.perception_v0.train_epoch`
     (same arguments, returns the steps' losses [N // batch_size] float32, same errors, raised before anything
-    runs), with this module's :func:`loss_fn`."""
+    runs), with this module's :func:`loss_fn`; TypeError: model is not a :class:`Perception` (model v0's is
+    :func:`jaxfox.models.train_epoch`)."""
+    _check_full(model, "train_epoch")
     return _run_epoch(model, optimizer, x, y, key, batch_size=batch_size, input_noise=input_noise, mesh=mesh,
                       loss=loss_fn)
 
@@ -161,7 +177,9 @@ def predict(model: Perception, x, *, batch_size: int = 256) -> tuple[np.ndarray,
 
     Raises:
       ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (m = ``model.num_features``).
+      TypeError: model is not a :class:`Perception` (model v0's is :func:`jaxfox.models.predict_logits`).
     """
+    _check_full(model, "predict")
     batch_size = positive_int("batch_size", batch_size)
     x = np.asarray(x, np.float32)
     # checked here, on the whole x: the model sees only the zero-padded chunks (whose shape an error would report),
@@ -178,9 +196,11 @@ def evaluate(model: Perception, x, y, *, batch_size: int = 256) -> tuple[float, 
     Raises:
       ValueError: y is not [N] (a [N, 1] y would broadcast the BCE to [N, N] and report a wrong loss), as
         :func:`predict`, and as :func:`jaxfox.data.market.auc` (y not 0/1 labels of both classes).
+      TypeError: model is not a :class:`Perception` (model v0's is :func:`jaxfox.models.evaluate`).
     """
     from jaxfox.data.market import auc
 
+    _check_full(model, "evaluate")
     y = np.asarray(y, np.float32)
     _check_labels(y, len(x), "N")
     logits, w = predict(model, x, batch_size=batch_size)

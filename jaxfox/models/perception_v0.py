@@ -169,15 +169,20 @@ def make_optimizer(model: nnx.Module, *, lr: float = DEFAULTS["lr"], weight_deca
     return Optimizer(model, tx, wrt=nnx.Param)
 
 
-def _check_v0(model, fn: str) -> None:
-    """TypeError unless ``model`` is a :class:`PerceptionV0`: ``jaxfox.models.train_step`` and its siblings are v0's,
-    and the full model (whose call returns (logits, weights)) failed deep inside them."""
-    if not isinstance(model, PerceptionV0):
-        full = {"predict_logits": "predict"}.get(fn, fn)
-        hint = (f"; for jaxfox.models.Perception use jaxfox.models.perception.{full}"
-                if type(model).__name__ == "Perception" else "")
-        raise TypeError(f"{fn}: model must be a jaxfox.models.PerceptionV0 (these are model v0's training functions), "
+def _check_model(model, fn: str, cls: type, whose: str, other: str, other_fn: str) -> None:
+    """TypeError unless ``model`` is a ``cls``: the training functions of one perception model fail deep inside, or
+    (B = 2) silently compute a wrong loss, on the other (v0's call returns logits, the full model's (logits,
+    weights)); when it is the ``other`` model, the message names ``other_fn``, the function to use for it."""
+    if not isinstance(model, cls):
+        hint = f"; for jaxfox.models.{other} use {other_fn}" if type(model).__name__ == other else ""
+        raise TypeError(f"{fn}: model must be a jaxfox.models.{cls.__name__} (these are {whose} training functions), "
                         f"got {type(model).__name__}{hint}")
+
+
+def _check_v0(model, fn: str) -> None:
+    """:func:`_check_model` for ``jaxfox.models.train_step`` and its siblings (model v0's)."""
+    full = {"predict_logits": "predict"}.get(fn, fn)
+    _check_model(model, fn, PerceptionV0, "model v0's", "Perception", f"jaxfox.models.perception.{full}")
 
 
 def loss_fn(model: PerceptionV0, x, y):
