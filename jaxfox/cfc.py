@@ -52,7 +52,16 @@ def lecun_tanh(x):
 
     Source: ncps's ``LeCun`` module (mlech26l/ncps, ``ncps/torch/cfc_cell.py``), after LeCun et al. 1998,
     "Efficient BackProp" (1.7159 tanh(2x / 3)).
+
+    Raises:
+      TypeError: x is not an array or number of a floating or integer dtype (a list gave "can't multiply sequence").
     """
+    dt = getattr(x, "dtype", None)
+    if dt is None and isinstance(x, (int, float)) and not isinstance(x, bool):
+        dt = jnp.result_type(x)
+    if dt is None or not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+        raise TypeError(f"x must be an array (or number) of a floating or integer dtype, got "
+                        f"{dt if dt is not None else type(x).__name__}")
     return 1.7159 * jnp.tanh(0.666 * x)
 
 

@@ -23,6 +23,11 @@ accumulation), as XLA's cuBLAS does for float32 dots on Ampere/Hopper by default
 bfloat16 tensor cores with float32 accumulation (bf16 x bf16 products are exact in float32). The reference path
 (off CUDA, or under :func:`jaxfox.use_reference`) is per-group ``jnp.dot(..., preferred_element_type=float32)``.
 
+The CUDA kernels are **opt-in** (``JAXFOX_OPT_IN_KERNELS=grouped_matmul``, read when the op is traced): measured
+slower than XLA's cuBLAS calls (BENCHMARKS.md: the IQL pair 0.23x, a mixed 5-group forward 0.59x), so by default
+both entry points run the reference on every platform, per-group ``jnp.dot`` differentiated by JAX's autodiff
+(whose GPU reductions are XLA's). What follows describes the opted-in path.
+
 CUDA (``ffi/grouped_gemm.cu``): one launch covers every group (a tile scheduler maps the block
 index to (group, split, tile) through a per-group table built in Python from the static shapes and
 passed as an int64 array attribute; the groups' buffers arrive as separate FFI buffers and their
@@ -374,7 +379,10 @@ def _kernel_opted_in() -> bool:
 # ----------------------------------------------------------------------------------------------
 # Public API.
 def grouped_matmul(xs, ws, bs=None, *, precision=None) -> list:
-    """Grouped GEMM: ``[x_g @ w_g + b_g for g]`` with per-group shapes, one kernel launch on CUDA.
+    """Grouped GEMM: ``[x_g @ w_g + b_g for g]`` with per-group shapes, one kernel launch on CUDA when opted in.
+
+    By default this is per-group ``jnp.dot`` (+ b_g) on every platform, differentiated by JAX; the CUDA kernels
+    run with ``JAXFOX_OPT_IN_KERNELS=grouped_matmul`` (module docstring: they measured slower than XLA's).
 
     Args:
       xs: list of G >= 1 arrays x_g [M_g, K_g] (M_g rows, K_g input features; M_g = 0 allowed).
@@ -391,8 +399,9 @@ def grouped_matmul(xs, ws, bs=None, *, precision=None) -> list:
     Returns:
       list of G arrays y_g [M_g, N_g].
 
-    Differentiable in xs, ws and bs (``jax.custom_vjp``: grouped dx = dy w^T, split-K grouped
-    dw = x^T dy and db = sum over M of dy, summed in a fixed order: bitwise reproducible). Each
+    Differentiable in xs, ws and bs (kernel path: ``jax.custom_vjp``, grouped dx = dy w^T, split-K grouped
+    dw = x^T dy and db = sum over M of dy, summed in a fixed order: bitwise reproducible; by default JAX's
+    autodiff of the per-group dots). Each
     gradient has its input's dtype. On CUDA, the dx GEMM is a separate launch that XLA removes
     when no x needs a gradient. Forward mode (``jax.jvp``) works only off the kernel path.
 
@@ -458,7 +467,8 @@ def grouped_matmul(xs, ws, bs=None, *, precision=None) -> list:
 
 
 def grouped_matmul_stacked(x, w, b=None, *, precision=None):
-    """G same-shape groups stacked on a leading axis: y[g] = x[g] @ w[g] + b[g] (one launch on CUDA).
+    """G same-shape groups stacked on a leading axis: y[g] = x[g] @ w[g] + b[g] (one launch on CUDA when opted in,
+    as :func:`grouped_matmul`; by default batched ``jnp`` dots).
 
     The convenience for identical networks trained side by side (the IQL pair): no per-group
     slicing, stacked output for the next stacked layer, and a shared input without a copy.

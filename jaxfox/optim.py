@@ -534,7 +534,8 @@ def ema_update(target, online, tau):
       The new target pytree.
 
     Raises:
-      TypeError: non-float leaves, or tau not a scalar number (a bool, Python or array, is refused).
+      TypeError: non-float leaves, float64 leaves with ``jax_enable_x64`` off (they would come back float32), or
+        tau not a scalar number (a bool, Python or array, is refused).
       ValueError: structures, shapes or dtypes differ (the message names the leaf), tau an array of shape other
         than [], concrete tau outside [0, 1] or NaN.
     """

@@ -92,7 +92,11 @@ def _check_state(state, name="state"):
         raise ValueError(f"{name}.priorities must have shape [C] with C >= 1, got {getattr(p, 'shape', None)}")
     if p.dtype != jnp.float32:
         raise TypeError(f"{name}.priorities must be float32, got {p.dtype}")
-    return int(p.shape[0])
+    C = int(p.shape[0])
+    if _is_concrete(state.size) and not 0 <= int(np.asarray(state.size)) <= C:
+        # a negative size drew slot 0 with weight 0 silently; a size above C let the uniform fallback index past C
+        raise ValueError(f"{name}.size must be in [0, C] = [0, {C}], got {int(np.asarray(state.size))}")
+    return C
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +148,8 @@ def add(state: PERState, items) -> PERState:
     Raises:
       TypeError: state is not a PERState; an item leaf has the wrong dtype; items given as an int
         to a buffer with storage or as arrays to one without.
-      ValueError: items' structure or leaf shapes do not match the storage, or leaves disagree on n.
+      ValueError: items' structure or leaf shapes do not match the storage, or leaves disagree on n; a count
+        (buffer without storage) below 0; state.size outside [0, C].
     """
     C = _check_state(state)
     if state.items is None:
@@ -229,10 +234,14 @@ def prefix_sum(x: jax.Array) -> jax.Array:
       linear: tangents go through ``jnp.cumsum``, cotangents through its transpose, a reversed cumsum).
 
     Raises:
-      TypeError: x is not a float32/float64 array.  ValueError: x is not 1-D.
+      TypeError: x is not a float32/float64 array, or is float64 with ``jax_enable_x64`` off (JAX would make it
+        float32, so the result would not have x's dtype).  ValueError: x is not 1-D.
     """
     if not hasattr(x, "dtype") or x.dtype not in (jnp.float32, jnp.float64):
         raise TypeError(f"x must be a float32 or float64 array, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dtype == np.float64 and not jax.config.jax_enable_x64:
+        raise TypeError("x is float64 but jax_enable_x64 is off (JAX would compute and return float32): pass "
+                        "float32, or enable x64")
     if len(x.shape) != 1:
         raise ValueError(f"x must be 1-D [n], got shape {tuple(x.shape)}")
     x = jnp.asarray(x)

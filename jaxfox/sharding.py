@@ -115,6 +115,8 @@ def data_parallel_value_and_grad(fun, mesh: Mesh | None = None, *, axis_name: st
       batch_argnums: positions (in ``fun``'s signature, params = 0) of the arguments whose every leaf
         has the batch as its leading axis; they are split over the devices. The other arguments, and
         ``params``, are replicated.
+      has_aux: ``fun`` returns ``(loss, aux)``; every leaf of ``aux`` must have the local batch as its leading
+        axis (a scalar leaf fails inside ``jax.shard_map``: reduce it to the loss or give it a batch axis).
 
     Returns:
       ``g(params, *args) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``): the global mean

@@ -365,8 +365,14 @@ def test_helpers_reject_bad_sizes_before_anything_runs():
                        (lambda: iqn_init(k, 0), "obs_dim"), (lambda: iqn_init(k, 4, hidden=2.5), "hidden"),
                        (lambda: iqn_init(k, 4, n_cos=0), "n_cos"),
                        (lambda: synthetic_batch(k, SMALL, -1), "batch_size"),
-                       (lambda: synthetic_batch(k, SMALL, 2.5), "batch_size")):
+                       (lambda: synthetic_batch(k, SMALL, 2.5), "batch_size"),
+                       # obs_dim 1: q's obs[:, 1] was clamped by JAX to obs[:, 0], another q than documented
+                       (lambda: synthetic_batch(k, SMALL._replace(obs_dim=1), 4), r"config\.obs_dim must be >= 2")):
         with pytest.raises(ValueError, match=name):
+            call()
+    # a config that is not an AuxConfig failed with "'dict' object has no attribute '_replace'"
+    for call in (lambda: make_aux(dict(SMALL._asdict())), lambda: synthetic_batch(k, dict(SMALL._asdict()), 4)):
+        with pytest.raises(TypeError, match="^config must be a jaxfox.models.aux.AuxConfig, got dict"):
             call()
     p = iqn_init(k, SMALL.obs_dim, SMALL.iqn_hidden, SMALL.n_cos)
     with pytest.raises(ValueError, match=r"obs must have shape \[B, F\] = \[\?, 16\].*\(4, 15\)"):

@@ -705,3 +705,17 @@ def test_inputs_too_wide_for_the_kernels_shared_memory_run_the_reference(monkeyp
     assert targets(16, 8, 2600, 4) == []       # 4 layers of 2600 units: 25 U floats > 227 KiB
     assert targets(48, 128, 128, 1) == ["jaxfox_cfc_bwd", "jaxfox_cfc_fwd"]   # the bench shape
     assert targets(5, 8, 16, 0, "pure") == ["jaxfox_cfc_bwd", "jaxfox_cfc_fwd"]
+
+
+def test_lecun_tanh_values_and_bad_input():
+    """lecun_tanh = 1.7159 tanh(0.666 x) (ncps), dtype kept; a list failed with "can't multiply sequence"."""
+    from jaxfox.cfc import lecun_tanh
+
+    x = np.linspace(-4, 4, 9)
+    np.testing.assert_allclose(np.asarray(lecun_tanh(jnp.asarray(x, jnp.float32))), 1.7159 * np.tanh(0.666 * x),
+                               rtol=1e-6)
+    assert lecun_tanh(jnp.ones(3, jnp.bfloat16)).dtype == jnp.bfloat16
+    assert math.isclose(float(lecun_tanh(1.0)), 1.7159 * math.tanh(0.666), rel_tol=1e-6)
+    for bad in ([1.0, 2.0], "x", True, jnp.ones(2, bool)):
+        with pytest.raises(TypeError, match="^x must be an array"):
+            lecun_tanh(bad)

@@ -16,7 +16,7 @@ from flax import nnx
 import jaxfox
 from jaxfox import optim, per
 from jaxfox.models.branching_c51 import (AgentState, BranchingC51, Transition, batch_loss, epsilon_greedy, forward,
-                                         greedy_actions, init_agent, make_update, support)
+                                         greedy_actions, init_agent, make_update, q_values, support)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -463,6 +463,11 @@ def test_bad_sizes_support_and_update_arguments_raise_naming_them():
         update(state, jax.random.key(1), True)
     new, info = update(state, jax.random.key(1), 0.5)  # a traced beta (under jit) is not checked, as per.sample's
     assert int(new.step) == 1 and np.isfinite(float(info["loss"]))
+    # forward on a params dict, q_values on a list: AttributeError ('dict' has no 'flat', 'list' has no 'shape')
+    with pytest.raises(TypeError, match="^fp must be a jaxfox.FlatParams .*got dict"):
+        forward(state.online.tree, jnp.zeros((2, 48), jnp.float32), dan)
+    with pytest.raises(TypeError, match=r"^logits must be an array \[\.\.\., N\], got list"):
+        q_values([[0.0] * dan[2]], z)
 
 
 def _load_train_dqn():

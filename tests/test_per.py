@@ -536,3 +536,21 @@ def test_draws_rounding_up_to_the_total_never_hit_a_zero_slot():
         r_last = float(jax.random.uniform(jax.random.key(100 + i), (2 ** 22,))[-1])
         hit_top += (np.float32(2 ** 22 - 1) + np.float32(r_last)) == np.float32(2 ** 22)
     assert hit_top >= 1  # the edge case really occurred
+
+
+def test_corrupt_size_and_float64_without_x64_raise():
+    """A state whose size is outside [0, C] was sampled silently (size -3 drew slot 0 with weight 0; size > C let
+    the uniform fallback index past the slots); prefix_sum took float64 with x64 off and returned float32."""
+    s = per.add(per.init(6), 4)
+    for size in (-3, 7):
+        bad = s._replace(size=jnp.asarray(size, s.size.dtype))
+        with pytest.raises(ValueError, match=rf"^state.size must be in \[0, C\] = \[0, 6\], got {size}$"):
+            per.sample(bad, jax.random.key(0), 2, alpha=0.5, beta=0.4)
+        with pytest.raises(ValueError, match=r"^state.size must be in \[0, C\]"):
+            per.probabilities(bad, alpha=0.5)
+    idx, w = per.sample(s._replace(size=jnp.asarray(6, s.size.dtype)), jax.random.key(0), 2, alpha=0.5, beta=0.4)
+    assert idx.shape == (2,) and bool(jnp.all((idx >= 0) & (idx < 6)))
+    if not jax.config.jax_enable_x64:
+        with pytest.raises(TypeError, match="^x is float64 but jax_enable_x64 is off"):
+            per.prefix_sum(np.ones(4, np.float64))
+    np.testing.assert_array_equal(np.asarray(per.prefix_sum(np.ones(4, np.float32))), [1, 2, 3, 4])

@@ -387,6 +387,15 @@ def test_benchmark_step_is_pure_and_jittable():
         losses.append(float(loss))
     assert losses[-1] < losses[0]
     assert math.isclose(losses[0], float(l1), rel_tol=1e-5)
+    # batch / window / seed were not checked: -4 failed in MLIR ("invalid tensor dimension size"), 3.0 in
+    # jax.random.normal, and 0 built a step that failed only when run
+    from jaxfox.models import perception as pf
+
+    for make in (benchmark_step, pf.benchmark_step):
+        for kw, name in (({"batch": -8}, "batch"), ({"batch": 0}, "batch"), ({"window": 3.0}, "window"),
+                         ({"window": 0}, "window"), ({"seed": -1}, "seed")):
+            with pytest.raises(ValueError, match=f"^{name} must be an int >= "):
+                make(**{"batch": 8, "window": 12, "num_features": 5, **kw})
 
 
 # ---------------------------------------------------------------- the main job on the real data

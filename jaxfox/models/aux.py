@@ -110,6 +110,8 @@ class AuxState(NamedTuple):
 
 
 def _check_config(cfg: AuxConfig):
+    if not isinstance(cfg, AuxConfig):  # a dict failed with "'dict' object has no attribute '_replace'"
+        raise TypeError(f"config must be a jaxfox.models.aux.AuxConfig, got {type(cfg).__name__}")
     for name in ("obs_dim", "iqn_hidden", "n_quantiles", "n_target_quantiles", "n_cos", "seq_len", "seq_dim",
                  "num_heads"):
         positive_int(f"config.{name}", getattr(cfg, name))
@@ -345,9 +347,12 @@ def make_aux(config: AuxConfig | None = None, **overrides) -> AuxTrainers:
 
     Raises:
       ValueError: a config field out of range (message names the field).
-      TypeError: a number field (target_tau, kappa, lr, weight_decay, max_grad_norm) is not a real scalar.
+      TypeError: config is not an :class:`AuxConfig` (or None), or a number field (target_tau, kappa, lr,
+        weight_decay, max_grad_norm) is not a real scalar.
     """
-    cfg = (config or AuxConfig())._replace(**overrides)
+    cfg = AuxConfig() if config is None else config
+    if isinstance(cfg, AuxConfig):
+        cfg = cfg._replace(**overrides)
     _check_config(cfg)
     taus = tuple(float(t) for t in cfg.expectiles)
     G = len(taus)
@@ -424,10 +429,14 @@ def synthetic_batch(key, config: AuxConfig, batch_size: int):
     discount 0.9, next_obs = independent normal; attn: y = mean_t seq[:, t, 0] * 3 + 0.1 noise. float32.
 
     Raises:
-      ValueError: batch_size is not an int >= 1, or the config is invalid (as :func:`make_aux`).
+      ValueError: batch_size is not an int >= 1, config.obs_dim < 2 (q reads obs[:, 1]; JAX would clamp the index
+        to obs[:, 0] and give another q than the formula), or the config is invalid (as :func:`make_aux`).
+      TypeError: config is not an :class:`AuxConfig`.
     """
     cfg = config
     _check_config(cfg)
+    if cfg.obs_dim < 2:
+        raise ValueError(f"config.obs_dim must be >= 2 for synthetic_batch (q reads obs[:, 1]), got {cfg.obs_dim}")
     B, F, T, H = positive_int("batch_size", batch_size), cfg.obs_dim, cfg.seq_len, cfg.seq_dim
     k = jax.random.split(key, 8)
     n = lambda kk, shape: jax.random.normal(kk, shape, jnp.float32)  # noqa: E731

@@ -190,7 +190,11 @@ def forward(fp: jaxfox.FlatParams, obs, dan, *, bf16: bool = True):
 
     Raises:
       ValueError: obs is not [B, F] or dan does not match the params (:func:`apply`).
+      TypeError: fp is not a :class:`jaxfox.FlatParams` (e.g. the params tree itself: use :func:`apply`).
     """
+    if not isinstance(fp, jaxfox.FlatParams):
+        raise TypeError(f"fp must be a jaxfox.FlatParams (the agent's online or target params), got "
+                        f"{type(fp).__name__}; a params tree goes to apply()")
     tree = _bf16_tree(fp) if bf16 else fp.tree
     return apply(tree, obs, dan)
 
@@ -201,7 +205,10 @@ def q_values(logits, z):
     Raises:
       ValueError: z is not [N] with N = logits' last axis (a length-1 z would broadcast to the same Q for
         every action).
+      TypeError: logits is not an array.
     """
+    if not (hasattr(logits, "shape") and hasattr(logits, "dtype")):
+        raise TypeError(f"logits must be an array [..., N], got {type(logits).__name__}")
     n = logits.shape[-1] if len(logits.shape) else None
     if tuple(np.shape(z)) != (n,):
         raise ValueError(f"z must have shape [N] = [{n}] (N from the logits' last axis), got {tuple(np.shape(z))}")

@@ -216,7 +216,8 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
     module's :func:`loss_fn`. Data parallel over ``mesh`` (default: all local devices).
 
     Raises:
-      ValueError: a model size is invalid, or ``batch`` is not divisible by the mesh size.
+      ValueError: a model size is invalid; ``batch`` or ``window`` is not an int >= 1, ``seed`` not an int >= 0,
+        or ``batch`` is not divisible by the mesh size.
     """
     model = make_model(num_features, rngs=nnx.Rngs(seed), **model_kwargs)
     return make_benchmark_step(model, make_optimizer(model), batch=batch, window=window, seed=seed, mesh=mesh,

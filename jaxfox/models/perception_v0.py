@@ -103,6 +103,10 @@ class PerceptionV0(nnx.Module):
 
     Initialisation: ``embed_w`` ~ N(0, 1) (a linear map with fan-in 1, LeCun-normal), ``embed_b`` = 0;
     CfC as ncps; head ``nnx.Linear`` defaults (LeCun-normal kernel, zero bias).
+
+    Raises:
+      ValueError: num_features, embed_dim, hidden or proj_size is not an int >= 1; backbone_units, backbone_layers
+        or mode invalid (as :func:`jaxfox.cfc_init`).
     """
 
     def __init__(self, num_features: int, *, embed_dim: int = DEFAULTS["embed_dim"], hidden: int = DEFAULTS["hidden"],
@@ -141,7 +145,7 @@ class PerceptionV0(nnx.Module):
 def make_model(num_features: int, *, hidden: int = DEFAULTS["hidden"], embed_dim: int = DEFAULTS["embed_dim"],
                backbone_units: int = DEFAULTS["backbone_units"], backbone_layers: int = 1, mode: str = "default",
                proj_size: int | None = None, rngs: nnx.Rngs) -> PerceptionV0:
-    """A :class:`PerceptionV0` for ``num_features`` inputs (keyword arguments as the class)."""
+    """A :class:`PerceptionV0` for ``num_features`` inputs (keyword arguments and errors as the class)."""
     return PerceptionV0(num_features, embed_dim=embed_dim, hidden=hidden, backbone_units=backbone_units,
                         backbone_layers=backbone_layers, mode=mode, proj_size=proj_size, rngs=rngs)
 
@@ -232,8 +236,10 @@ def train_step(model: PerceptionV0, optimizer: nnx.Optimizer, x, y, *, mesh=None
     :func:`data_parallel_step`. Returns the batch's mean BCE before the update (float32 scalar).
 
     Raises:
-      ValueError: B is not divisible by the number of devices in the mesh.
-      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.train_step`).
+      ValueError: B is not divisible by the number of devices in the mesh; x is not [B, T, m] (m =
+        ``model.num_features``, T >= 1) or y not [B] (as :func:`loss_fn`).
+      TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.train_step`);
+        x or y is not float32.
     """
     _check_v0(model, "train_step")
     return data_parallel_step(model, optimizer, x, y, mesh)
@@ -412,7 +418,12 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
       ``(step_fn, state, batch)``: ``step_fn(state, batch) -> (state, loss)`` is un-jitted and pure;
       ``state`` is the ``nnx.State`` of (model, optimizer) (a pytree of arrays); ``batch`` is
       ``(x [batch, window, num_features] float32 ~ N(0, 1), y [batch] float32 in {0, 1})``.
+
+    Raises:
+      ValueError: ``batch`` or ``window`` is not an int >= 1, ``seed`` not an int >= 0, ``batch`` not divisible by
+        the mesh size, or a model size invalid (as :class:`PerceptionV0`).
     """
+    positive_int("batch", batch), positive_int("window", window), positive_int("seed", seed, minimum=0)
     rngs = nnx.Rngs(seed)
     model = make_model(num_features, hidden=hidden, embed_dim=embed_dim, backbone_units=backbone_units, rngs=rngs)
     return make_benchmark_step(model, make_optimizer(model), batch=batch, window=window, seed=seed, mesh=mesh)
@@ -422,7 +433,10 @@ def make_benchmark_step(model, optimizer: nnx.Optimizer, *, batch: int, window: 
                         loss=None):
     """``(step_fn, state, batch)`` of :func:`benchmark_step` for any perception model and its optimizer
     (``loss(model, x, y)``, default this module's :func:`loss_fn`; the model's input width is read from
-    ``model.num_features``)."""
+    ``model.num_features``); the errors of :func:`benchmark_step` for ``batch``, ``window`` and ``seed``, raised
+    before anything is built (a negative batch failed in MLIR, a float window in ``jax.random.normal``)."""
+    batch, window = positive_int("batch", batch), positive_int("window", window)
+    seed = positive_int("seed", seed, minimum=0)
     graphdef, state = nnx.split((model, optimizer))
     kx, ky = jax.random.split(jax.random.key(seed + 1))
     data = (jax.random.normal(kx, (batch, window, model.num_features), jnp.float32),
