@@ -2,7 +2,7 @@
 
 Each script puts this folder on ``sys.path`` (however it is loaded: run as a script, or by path from a test or a
 notebook) and calls these from its ``parse_args``, so bad input stops with argparse's usage error (status 2)
-before JAX starts or any data loads.
+before any data loads or anything trains.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 
 
 def check_output_folder(parser: argparse.ArgumentParser, out: str, flag: str = "--out") -> str:
@@ -22,16 +21,11 @@ def check_output_folder(parser: argparse.ArgumentParser, out: str, flag: str = "
     temporary file in the deepest existing folder of the path and creates nothing else: the script makes the
     folder when it saves. A relative path is taken from the current directory.
     """
-    probe = os.path.abspath(out)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        parser.error(f"{flag} {out!r}: {probe} exists and is not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as e:
-        parser.error(f"{flag} {out!r}: cannot write files in {probe} ({e.strerror or e})")
+    from jaxfox._validate import unwritable_reason
+
+    why = unwritable_reason(out, folder=True)
+    if why:
+        parser.error(f"{flag} {out!r}: {why}")
     return out
 
 

@@ -120,3 +120,31 @@ def in_open_unit_float32(value) -> bool:
         v = np.asarray(value, np.float64)
         v32 = v.astype(np.float32)
     return bool(np.all((v > 0) & (v < 1) & (v32 > 0) & (v32 < 1)))
+
+
+def unwritable_reason(path, *, folder: bool) -> str | None:
+    """Why a command's results could not be written to ``path`` at the end of its run, or None; checked before it.
+
+    ``folder``: ``path`` is an output folder (made later when missing); else an output file (its folder made later
+    when missing), which must not be an existing folder. The deepest existing folder on the way must be a folder in
+    which a file can be created (a read-only or pseudo file system such as /proc is not, whatever the permissions
+    say to root): one temporary file is written and removed there, and nothing else is created. Used by the
+    command-line checks (``python -m jaxfox.bench``'s --json / --plot, the example scripts' --out).
+    """
+    import os
+    import tempfile
+
+    if not folder and os.path.isdir(path):
+        return "is a folder; name a file"
+    probe = os.path.abspath(path)
+    probe = probe if folder else os.path.dirname(probe)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} exists and is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"cannot write files in {probe} ({e.strerror or e})"
+    return None

@@ -214,6 +214,17 @@ def test_bench_case_random_draws_stay_in_the_loop(name):
     (["--min-call-ms", "inf"], "--min-call-ms must be a finite number > 0"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--shapes", "huge"], "invalid choice: 'huge'"),
+    # n_inner is an int32 trip count (10^11 failed a row with an OverflowError after 78 s), and unroll op calls
+    # a trip made --max-inner below --unroll no bound
+    (["--max-inner", str(2**31)], "--max-inner must be in [1, 2^31 - 1]"),
+    (["--max-inner", "3", "--unroll", "8"], "--unroll must be in [1, --max-inner (3)]"),
+    # output paths failed only after every case had run (a folder, a path through a file), and the plot
+    # silently replaced the JSON of the same name or was written to name.png while "wrote name" was printed
+    (["--json", "/"], "--json '/': is a folder; name a file"),
+    (["--json", __file__ + "/x.json"], "exists and is not a folder"),
+    (["--plot", "/proc/x.png"], "--plot '/proc/x.png': cannot write files in /proc"),
+    (["--plot", "chart"], "--plot must name a .png file"),
+    (["--json", "same.png", "--plot", "same.png"], "--json and --plot name the same file"),
 ])
 def test_bench_cli_rejects_bad_arguments(argv, message, capsys):
     """An empty --ops ran nothing and exited 0 (an empty table from a GPU visit); a non-finite --min-call-ms failed
@@ -224,3 +235,9 @@ def test_bench_cli_rejects_bad_arguments(argv, message, capsys):
         _parse(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_cli_runs_a_case_named_twice_once():
+    from jaxfox.bench.__main__ import _parse
+
+    assert _parse(["--ops", "copy,cfc_scan,copy"]).ops == ["copy", "cfc_scan"]

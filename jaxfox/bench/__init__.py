@@ -594,10 +594,10 @@ def format_table(rows: list[dict]) -> str:
     lines = [fmt.format(*head), "  ".join("-" * w for w in widths)]
     lines += [fmt.format(*b) for b in body]
     lines.append("times: median per op call over the timed calls, each an in-graph loop of n_inner "
-                 "(ref/jaxfox) op calls; loop ovh: the loop's own cost per iteration (included in the "
+                 "(ref/jaxfox) op calls; loop ovh: the loop's own cost per op call (included in the "
                  "times); rate: bytes read + written once, or model FLOPs; % copy: jaxfox GB/s over the "
-                 "copy row's; ffi: jaxfox FFI calls in the compiled jaxfox-path program (0: the "
-                 "reference ran on both paths).")
+                 "copy row's; ffi: jaxfox FFI calls in the compiled jaxfox-path program (0: no jaxfox kernel "
+                 "ran; where the JSON's reused_program is true the two paths were one program).")
     return "\n".join(lines)
 
 
@@ -622,18 +622,25 @@ def save_plot(path: str | os.PathLike, env: dict, rows: list[dict]) -> None:
     labels = [f"{r['case']}\n{r['shape']}" for r in rs]
     vals = [r["speedup"] for r in rs]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rs) + 2), 4.8))
-    colors = ["tab:green" if v >= 1 else "tab:red" for v in vals]
-    bars = ax.bar(range(len(rs)), vals, color=colors)
+    colors = ["tab:green" if round(v, 2) >= 1 else "tab:red" for v in vals]  # as the label rounds
+    # bars grow from 1x (a slow-down downwards): from the axis bottom a 0.66x bar looked like a gain
+    bars = ax.bar(range(len(rs)), [v - 1.0 for v in vals], bottom=1.0, color=colors)
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    fmt = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(fmt)
     ax.axhline(1.0, color="k", lw=0.8)
     for b, v in zip(bars, vals):
-        ax.annotate(f"{v:.2f}x", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{v:.2f}x", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom" if v >= 1 else "top",
+                    fontsize=8)
     ax.set_xticks(range(len(rs)), labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("speed-up over XLA reference (log)")
-    ax.set_title(f"jaxfox vs XLA: {env['device']}, jax {env['jax']}, {env['commit']}\n{env['date']}",
+    same = "" if env.get("kernels_available") else " (kernels unavailable: both paths XLA)"
+    ax.set_title(f"jaxfox vs XLA{same}: {env['device']}, jax {env['jax']}, {env['commit']}\n{env['date']}",
                  fontsize=9)
+    if not rs:
+        ax.text(0.5, 0.5, "no row with a speed-up (e.g. only the copy row ran)", ha="center",
+                transform=ax.transAxes)
     if vals:
         lo, hi = min(vals + [1.0]), max(vals + [1.0])
         ax.set_ylim(lo / 1.6, hi * 1.6)

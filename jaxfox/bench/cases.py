@@ -782,7 +782,8 @@ def _device_counts():
 @register("perception_step_dp")
 def perception_dp_case(size: str) -> list[Variant]:
     """The perception training step (as ``perception_step``) data parallel over n local devices
-    (``jaxfox.models.perception_v0.train_step``'s mesh), with a fixed batch per device (32 and 256)."""
+    (``jaxfox.models.perception_v0.train_step``'s mesh), with a fixed batch per device: the ``perception_step``
+    shape's batch (32 by default) and 256; small: that shape's batch only."""
     from jaxfox.models import perception_v0
 
     kw = dict(_PERCEPTION_SHAPES[size])
@@ -805,7 +806,7 @@ def perception_dp_case(size: str) -> list[Variant]:
 def dqn_dp_case(size: str) -> list[Variant]:
     """The whole DQN update (``jaxfox.models.branching_c51.make_update``: PER sample, bf16 forward, C51
     loss, grad, fused AdamW, EMA, priority update) data parallel over n local devices, 1024 samples per
-    device (64 small), D=4 x A=5 x N=51, capacity 2^17 filled with random transitions."""
+    device (64 small), D=4 x A=5 x N=51, capacity 2^17 (2^12 small) filled with random transitions."""
     from jaxfox.models.branching_c51 import Transition, init_agent, make_update, support
 
     b = 64 if size == "small" else 1024
