@@ -176,6 +176,7 @@ def main(argv=None) -> dict:
 
     reset_v = jax.vmap(env.reset, in_axes=(0, None))
     step_v = jax.vmap(env.step, in_axes=(0, 0, None))
+    warm_iters = -(-args.learning_starts // args.num_envs)  # random steps of all envs before the first update
 
     def env_step(agent_online, env_state, obs, key, eps):
         k_act, k_reset = jax.random.split(key)
@@ -193,8 +194,7 @@ def main(argv=None) -> dict:
             agent, s, o = c
             s, o, trans, _ = env_step(agent.online, s, o, k, 1.0)
             return (agent._replace(buffer=per.add(agent.buffer, trans)), s, o), None
-        n = -(-args.learning_starts // args.num_envs)
-        (agent, s, o), _ = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, n))
+        (agent, s, o), _ = jax.lax.scan(body, (agent, env_state, obs), jax.random.split(key, warm_iters))
         return agent, s, o
 
     @functools.partial(jax.jit, static_argnames=("length",))
@@ -281,7 +281,7 @@ def main(argv=None) -> dict:
                                        .sum(1).mean()),
         "final_loss": loss_hist["loss"][-1] if loss_hist["loss"] else None,
         "updates": int(agent.step), "buffer_size": int(agent.buffer.size),
-        "transitions": -(-args.learning_starts // args.num_envs) * args.num_envs + int(agent.step) * args.num_envs,
+        "transitions": (warm_iters + int(agent.step)) * args.num_envs,
         "train_seconds": train_s, "wall_seconds": time.perf_counter() - t_start,
         "args": vars(args), "params": n_params,
     }

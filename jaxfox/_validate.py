@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 
+import os
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_array", "float32_param_dtype", "in_open_unit_float32", "is_concrete", "positive_float32", "positive_int",
-           "real_scalar"]
+__all__ = ["check_array", "float32_param_dtype", "in_open_unit_float32", "is_concrete", "no_float64_without_x64",
+           "positive_float32", "positive_int", "real_scalar", "unwritable_reason"]
 
 
 def is_concrete(x) -> bool:
@@ -39,6 +42,14 @@ def float32_param_dtype(fn, dtype):
         raise TypeError(f"{fn}: dtype must be float32 (the op takes float32 parameters; cast activations, not "
                         f"parameters, to bfloat16), got {dtype!r}")
     return dt
+
+
+def no_float64_without_x64(name, dtype, result) -> None:
+    """TypeError when ``dtype`` is float64 while ``jax_enable_x64`` is off: JAX would compute in float32 and return
+    ``result`` as float32, not in the caller's dtype. ``name`` names the array, ``result`` what comes back."""
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(f"{name} is float64 but jax_enable_x64 is off: {result} would come back float32, not "
+                        "float64; pass float32 (or enable x64)")
 
 
 def positive_int(name, value, minimum=1):
@@ -131,9 +142,6 @@ def unwritable_reason(path, *, folder: bool) -> str | None:
     say to root): one temporary file is written and removed there, and nothing else is created. Used by the
     command-line checks (``python -m jaxfox.bench``'s --json / --plot, the example scripts' --out).
     """
-    import os
-    import tempfile
-
     if not folder and os.path.isdir(path):
         return "is a folder; name a file"
     probe = os.path.abspath(path)

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in
-from jaxfox._validate import is_concrete, real_scalar as _real_scalar
+from jaxfox._validate import is_concrete, no_float64_without_x64, real_scalar as _real_scalar
 
 __all__ = [
     "FlatParams", "flatten", "default_decay_mask", "FusedAdamWState", "FusedAdamW", "fused_adamw", "ema_update",
@@ -550,9 +550,7 @@ def ema_update(target, online, tau):
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             raise ValueError(f"online{where} must match target{where} {tuple(a.shape)} {a.dtype}, "
                              f"got {tuple(b.shape)} {b.dtype}")
-        if a.dtype == np.float64 and not jax.config.jax_enable_x64:
-            raise TypeError(f"target{where} is float64 but jax_enable_x64 is off: the average would come back "
-                            "float32, not in the leaf dtype; cast the leaves to float32 (or enable x64)")
+        no_float64_without_x64(f"target{where}", a.dtype, "the average")
     t = _real_scalar("tau", tau, 0.0, 1.0)
     if isinstance(tau, (int, float, np.integer, np.floating)):  # a Python/NumPy number (not an array): the ends exact
         if t == 0.0:

@@ -54,7 +54,8 @@ import numpy as np
 import optax
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call
-from jaxfox._validate import is_concrete as _is_concrete, positive_int as _positive_int, real_scalar as _real_scalar
+from jaxfox._validate import (is_concrete as _is_concrete, no_float64_without_x64, positive_int as _positive_int,
+                              real_scalar as _real_scalar)
 
 __all__ = [
     "PERState", "init", "add", "sample", "sample_items", "update", "probabilities", "prefix_sum",
@@ -93,9 +94,11 @@ def _check_state(state, name="state"):
     if p.dtype != jnp.float32:
         raise TypeError(f"{name}.priorities must be float32, got {p.dtype}")
     C = int(p.shape[0])
-    if _is_concrete(state.size) and not 0 <= int(np.asarray(state.size)) <= C:
-        # a negative size drew slot 0 with weight 0 silently; a size above C let the uniform fallback index past C
-        raise ValueError(f"{name}.size must be in [0, C] = [0, {C}], got {int(np.asarray(state.size))}")
+    if _is_concrete(state.size):
+        size = int(np.asarray(state.size))
+        if not 0 <= size <= C:
+            # a negative size drew slot 0 with weight 0 silently; a size above C let the uniform fallback index past C
+            raise ValueError(f"{name}.size must be in [0, C] = [0, {C}], got {size}")
     return C
 
 
@@ -239,9 +242,7 @@ def prefix_sum(x: jax.Array) -> jax.Array:
     """
     if not hasattr(x, "dtype") or x.dtype not in (jnp.float32, jnp.float64):
         raise TypeError(f"x must be a float32 or float64 array, got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.dtype == np.float64 and not jax.config.jax_enable_x64:
-        raise TypeError("x is float64 but jax_enable_x64 is off (JAX would compute and return float32): pass "
-                        "float32, or enable x64")
+    no_float64_without_x64("x", x.dtype, "the prefix sum")
     if len(x.shape) != 1:
         raise ValueError(f"x must be 1-D [n], got shape {tuple(x.shape)}")
     x = jnp.asarray(x)

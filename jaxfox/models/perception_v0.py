@@ -423,7 +423,6 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
       ValueError: ``batch`` or ``window`` is not an int >= 1, ``seed`` not an int >= 0, ``batch`` not divisible by
         the mesh size, or a model size invalid (as :class:`PerceptionV0`).
     """
-    positive_int("batch", batch), positive_int("window", window), positive_int("seed", seed, minimum=0)
     rngs = nnx.Rngs(seed)
     model = make_model(num_features, hidden=hidden, embed_dim=embed_dim, backbone_units=backbone_units, rngs=rngs)
     return make_benchmark_step(model, make_optimizer(model), batch=batch, window=window, seed=seed, mesh=mesh)
