@@ -1,6 +1,7 @@
 // iql: the value loss of Implicit Q-Learning for an ensemble of G value networks D -> H -> 1 (ReLU) that share
-// their input, between XLA's two products (FFI target jaxfox_iql_head). Math and conventions: jaxfox/iql.py
-// (Kostrikov et al. 2021, eq. 5; OPS.md "Losses", expectile).
+// their input, between XLA's two products (FFI target jaxfox_iql_head), or on sm_90 with the first product too
+// (jaxfox_iql_fused, below). Math and conventions: jaxfox/iql.py (Kostrikov et al. 2021, eq. 5; OPS.md "Losses",
+// expectile).
 //
 // XLA runs pre = obs [W1_1 | .. | W1_G] (one [B, D] x [D, G H] GEMM) and, by autodiff, dW1 = obs^T dpre (and
 // d obs = dpre W1^T); this kernel everything between them. Per row b and network g, with y = target[b] and
@@ -14,12 +15,14 @@
 // partial row [db1 | dw2 | db2 | loss | 0 0], and iql_finish_kernel sums the S partial rows of every network in a
 // fixed order and writes db1, dw2, db2 and loss as separate results (no slicing left to XLA), in the same handler:
 // no atomics, the bits depend on the shapes only (S is a function of them, chosen by jaxfox/iql.py). All float32:
-// the products (and their TF32 rounding) are XLA's.
+// the products (and their TF32 rounding) are XLA's (on the fused path, the first product is the kernel's TF32).
 // (It replaces a kernel that also ran both products on mma.sync, with the weight gradient accumulated in
 // registers: 0.89x XLA on the H200; XLA's GEMMs were faster than its products. BENCHMARKS.md, thirty-fifth session.)
 #include <cstdint>
+#include <utility>
 
 #include "common.h"
+#include "tensor_core.h"
 
 namespace jaxfox {
 namespace {
@@ -150,6 +153,188 @@ __global__ void __launch_bounds__(32 * kSumRows)
   }
 }
 
+// ---- The fused path (sm_90a): the first product on wgmma, with the head in its epilogue -----------------------
+// jaxfox_iql_fused does what XLA's forward GEMM and jaxfox_iql_head do together, without pre ever reaching device
+// memory: CTA (x, g) computes the 128-row tile x of network g's pre-activations, obs[rows] W1_g (128 x H, K = D),
+// on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T stream through 3 cp.async stages of 32-float
+// chunks of K in 128-byte swizzled rows), then applies the head to the accumulators in registers (a row's H
+// columns are spread over the 4 lanes of a quad: the value is the quad's butterfly sum) and writes dpre, dy and the
+// block's partial row [db1 | dw2 | db2 | loss | 0 0] (each thread's sums over its two rows go to shared memory, one
+// row of sums per (warp, quad), and a thread per column adds the 64 of them in order), which iql_finish_kernel sums
+// as on the head path. Bits depend on the shapes only. TF32: the tensor cores read the float32 inputs' TF32 bits
+// (truncation).
+constexpr int kFusedRows = 128;     // rows of a CTA's tile (jaxfox/iql.py _FUSED_ROWS)
+constexpr int kFusedStages = 3;
+constexpr int kChunkBytes = 128;    // one swizzled row of a stage: 32 floats of K
+
+__host__ __device__ constexpr int FusedStageBytes(int ni) { return kFusedRows * kChunkBytes * (1 + ni); }
+__host__ __device__ constexpr int FusedSmemBytes(int ni) {
+  return 1024 + kFusedStages * FusedStageBytes(ni) + 2 * 128 * ni * 4;  // alignment slack, stages, b1 and w2 of g
+}
+
+template <int NI, int MinBlocks>  // H = 128 NI; MinBlocks: CTAs an SM (the register cap)
+__global__ void __launch_bounds__(kThreads, MinBlocks)
+    iql_fused_kernel(const float* __restrict__ obs, const float* __restrict__ w1t, const float* __restrict__ target,
+                     const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
+                     const float* __restrict__ taus, int64_t B, int D, float inv_b, float* __restrict__ dpre,
+                     float* __restrict__ dy, float* __restrict__ part) {
+#if defined(JAXFOX_HAS_WGMMA)
+  constexpr int H = 128 * NI;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  float* b1s = reinterpret_cast<float*>(smem + kFusedStages * FusedStageBytes(NI));
+  float* w2s = b1s + H;
+  const int g = blockIdx.y, G = gridDim.y, tid = threadIdx.x;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kFusedRows;
+  const int64_t ld = static_cast<int64_t>(G) * H;  // row stride of dpre
+  for (int c = tid; c < H; c += kThreads) {
+    b1s[c] = b1[static_cast<int64_t>(g) * H + c];
+    w2s[c] = w2[static_cast<int64_t>(g) * H + c];
+  }
+  const int nk = (D + 31) / 32;
+  // chunk kc of K into stage st: A rows r (obs row row0 + r), B rows n (W1^T row g H + n); thread tid copies the
+  // 16-byte chunk c = tid % 8 of rows tid / 8 + 32 i (the same swizzled chunk position in each of them)
+  const int cq = tid & 7, rq = tid >> 3;
+  const uint32_t sw = rq * kChunkBytes + ((cq ^ (rq & 7)) << 4);
+  const int64_t a_rows = B - row0 - rq;  // rows rq + 32 i < a_rows exist
+  const float* a_src = obs + (row0 + rq) * static_cast<int64_t>(D) + 4 * cq;
+  const float* b_src = w1t + (static_cast<int64_t>(g) * H + rq) * D + 4 * cq;
+  const int64_t step = 32 * static_cast<int64_t>(D);
+  auto load = [&](int kc, int st) {
+    unsigned char* sa = smem + st * FusedStageBytes(NI) + sw;
+    unsigned char* sb = sa + kFusedRows * kChunkBytes;
+    const bool k_ok = 32 * kc + 4 * cq < D;
+#pragma unroll
+    for (int i = 0; i < kFusedRows / 32; ++i) {
+      const bool ok = k_ok && 32 * i < a_rows;
+      CpAsync16(reinterpret_cast<float*>(sa + i * 32 * kChunkBytes), ok ? a_src + i * step + 32 * kc : obs, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < H / 32; ++i) {
+      CpAsync16(reinterpret_cast<float*>(sb + i * 32 * kChunkBytes), k_ok ? b_src + i * step + 32 * kc : w1t, k_ok);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kFusedStages - 1; ++s) {
+    if (s < nk) load(s, s);
+    CpAsyncCommit();
+  }
+  const int wg = tid >> 7;  // warpgroup: rows 64 wg .. 64 wg + 63 of the tile
+  float acc[NI][64];
+#pragma unroll
+  for (int i = 0; i < NI; ++i)
+#pragma unroll
+    for (int q = 0; q < 64; ++q) acc[i][q] = 0.f;
+  for (int kc = 0; kc < nk; ++kc) {
+    CpAsyncWaitGroup<kFusedStages - 2>();  // this thread's copies of chunk kc have landed
+    FenceProxyAsyncShared();
+    __syncthreads();  // everyone's copies of chunk kc; everyone's wgmma of chunk kc - 1 done (waited below)
+    if (kc + kFusedStages - 1 < nk) load(kc + kFusedStages - 1, (kc + kFusedStages - 1) % kFusedStages);
+    CpAsyncCommit();
+    const int st = kc % kFusedStages;
+    const uint32_t sa = base + st * FusedStageBytes(NI) + wg * 64 * kChunkBytes;
+    const uint32_t sb = base + st * FusedStageBytes(NI) + kFusedRows * kChunkBytes;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) WgmmaFenceOperand(acc[i]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        WgmmaM64N128K8Tf32(acc[i], WgmmaDescSw128(sa + 32 * kk),
+                           WgmmaDescSw128(sb + i * 128 * kChunkBytes + 32 * kk), (kc | kk) != 0);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWaitAll();
+#pragma unroll
+    for (int i = 0; i < NI; ++i) WgmmaFenceOperand(acc[i]);
+  }
+  CpAsyncWaitAll();
+  __syncthreads();  // every stage is free: the reduction rows below reuse them
+
+  // the head, on the accumulators: rows r0 = 64 wg + 16 w + l / 4 and r1 = r0 + 8; columns 128 i + 8 j + 2 t, + 1
+  const int warp = tid >> 5, lane = tid & 31, t = lane & 3;
+  const int64_t r0 = row0 + 64 * wg + 16 * (warp & 3) + (lane >> 2), r1 = r0 + 8;
+  const bool ok0 = r0 < B, ok1 = r1 < B;
+  const float tau = taus[g], b2g = b2[g];
+  const float y0 = ok0 ? target[r0] : 0.f, y1 = ok1 ? target[r1] : 0.f;
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = 128 * i + 8 * j + 2 * t;
+      const float2 bb = *reinterpret_cast<const float2*>(b1s + c), ww = *reinterpret_cast<const float2*>(w2s + c);
+      float* a = &acc[i][4 * j];
+      a[0] += bb.x; a[1] += bb.y; a[2] += bb.x; a[3] += bb.y;
+      s0 = fmaf(Relu(a[0]), ww.x, s0);
+      s0 = fmaf(Relu(a[1]), ww.y, s0);
+      s1 = fmaf(Relu(a[2]), ww.x, s1);
+      s1 = fmaf(Relu(a[3]), ww.y, s1);
+    }
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);  // the same bits in the 4 lanes of a quad
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  const float u0 = y0 - (s0 + b2g), u1 = y1 - (s1 + b2g);
+  const float wt0 = u0 < 0.f ? 1.f - tau : tau, wt1 = u1 < 0.f ? 1.f - tau : tau;
+  const float dv0 = ok0 ? -2.f * wt0 * u0 * inv_b : 0.f, dv1 = ok1 ? -2.f * wt1 * u1 * inv_b : 0.f;
+  if (t == 0) {
+    if (ok0) dy[static_cast<int64_t>(g) * B + r0] = -dv0;
+    if (ok1) dy[static_cast<int64_t>(g) * B + r1] = -dv1;
+  }
+  // the row pair's partial row: [db1 | dw2 | db2 | loss] of rows r0 and r1, kRedStride floats a (warp, quad),
+  // in the stages (free now); the stride is 8 banks mod 32, so a warp's float2 stores hit distinct banks
+  constexpr int kRedStride = 2 * H + 8;
+  float* red = reinterpret_cast<float*>(smem) + (8 * warp + (lane >> 2)) * kRedStride;
+  float* d0 = dpre + r0 * ld + static_cast<int64_t>(g) * H;
+  float* d1 = dpre + r1 * ld + static_cast<int64_t>(g) * H;
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = 128 * i + 8 * j + 2 * t;
+      const float2 ww = *reinterpret_cast<const float2*>(w2s + c);
+      float* a = &acc[i][4 * j];
+      // rows past B add exact zeros (not 0 * w2 or 0 * h, which an infinite weight would make NaN)
+      const float e00 = ok0 && a[0] > 0.f ? dv0 * ww.x : 0.f, e01 = ok0 && a[1] > 0.f ? dv0 * ww.y : 0.f;
+      const float e10 = ok1 && a[2] > 0.f ? dv1 * ww.x : 0.f, e11 = ok1 && a[3] > 0.f ? dv1 * ww.y : 0.f;
+      if (ok0) *reinterpret_cast<float2*>(d0 + c) = make_float2(e00, e01);
+      if (ok1) *reinterpret_cast<float2*>(d1 + c) = make_float2(e10, e11);
+      const float h00 = ok0 ? Relu(a[0]) : 0.f, h01 = ok0 ? Relu(a[1]) : 0.f;
+      const float h10 = ok1 ? Relu(a[2]) : 0.f, h11 = ok1 ? Relu(a[3]) : 0.f;
+      // this thread's two rows' sums: db1 of columns c, c + 1 and dw2 of columns c, c + 1
+      *reinterpret_cast<float2*>(red + c) = make_float2(e00 + e10, e01 + e11);
+      *reinterpret_cast<float2*>(red + H + c) = make_float2(fmaf(h00, dv0, h10 * dv1), fmaf(h01, dv0, h11 * dv1));
+    }
+  }
+  if (t == 0) {
+    red[2 * H] = dv0 + dv1;
+    red[2 * H + 1] = (ok0 ? wt0 * u0 * u0 : 0.f) + (ok1 ? wt1 * u1 * u1 : 0.f);
+  }
+  __syncthreads();
+  // column sums over the tile's 64 row pairs, in the fixed order warp 0 quad 0, warp 0 quad 1, ..
+  constexpr int P = 2 * H + 4;
+  float* out = part + (static_cast<int64_t>(blockIdx.x) * G + g) * P;
+  const float* rows = reinterpret_cast<const float*>(smem);
+  for (int e = tid; e < P; e += kThreads) {
+    float v = 0.f;
+    if (e < 2 * H + 2) {
+#pragma unroll 8
+      for (int q = 0; q < 8 * kWarps; ++q) v += rows[q * kRedStride + e];
+      if (e == 2 * H + 1) v *= inv_b;
+    }
+    out[e] = v;
+  }
+#else
+  __trap();  // only sm_90a machine code holds this kernel: a launch of any other image is an error, not garbage
+#endif  // JAXFOX_HAS_WGMMA
+}
+
 // FFI target jaxfox_iql_head: (pre [B, G H] = obs [W1_1 | .. | W1_G] without the bias, target [B], b1 [G, H],
 // w2 [G, H], b2 [G], taus [G]) -> db1 [G, H], dw2 [G, H], db2 [G], loss [G] (the column sums of every network,
 // the loss already divided by B), dpre [B, G H], dy [G, B], and the workspace partials [S, G, P] (P = 2 H + 4: each
@@ -214,24 +399,110 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
   return LastCudaError("iql_finish");
 }
 
+#if defined(JAXFOX_SM90A_BUILD)
+// FFI target jaxfox_iql_fused (registered only by builds with sm_90a machine code; compute capability 9.0): (obs
+// [B, D], w1t [G H, D] = the networks' first-layer weights as rows [W1_1^T; ..; W1_G^T], target [B], b1 [G, H], w2
+// [G, H], b2 [G], taus [G]) -> the results of jaxfox_iql_head for pre = obs w1t^T, with S = ceil(B / 128) partial
+// rows. H is 128 or 256, D a multiple of 4. Two launches: the fused kernel and iql_finish_kernel.
+ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buffer<ffi::F32> w1t,
+                        ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> b1, ffi::Buffer<ffi::F32> w2,
+                        ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> taus, float inv_batch,
+                        ffi::ResultBuffer<ffi::F32> db1, ffi::ResultBuffer<ffi::F32> dw2,
+                        ffi::ResultBuffer<ffi::F32> db2, ffi::ResultBuffer<ffi::F32> loss,
+                        ffi::ResultBuffer<ffi::F32> dpre, ffi::ResultBuffer<ffi::F32> dy,
+                        ffi::ResultBuffer<ffi::F32> part) {
+  ClearStaleCudaError();
+  auto wrong = [](const char* what, const auto& buf) {
+    return InvalidArgument(std::string("iql_fused: ") + what + ", got " + DimsToString(buf.dimensions()));
+  };
+  if (GetDeviceInfo().cc_major != 9) {
+    return InvalidArgument("iql_fused: needs a compute capability 9.0 device (its kernel is sm_90a machine code)");
+  }
+  if (b1.dimensions().size() != 2) return wrong("b1 must be [G, H]", b1);
+  if (obs.dimensions().size() != 2) return wrong("obs must be [B, D]", obs);
+  const int64_t G = b1.dimensions()[0], H = b1.dimensions()[1], B = obs.dimensions()[0], D = obs.dimensions()[1];
+  if (G < 1 || G > 65535) return InvalidArgument("iql_fused: G must be in [1, 65535], got " + std::to_string(G));
+  if (H != 128 && H != 256) return InvalidArgument("iql_fused: H must be 128 or 256, got " + std::to_string(H));
+  if (D < 4 || D % 4 != 0 || D > 0x7fffffff / 4) {
+    return InvalidArgument("iql_fused: D must be a positive multiple of 4, got " + std::to_string(D));
+  }
+  if (B < 1 || B > 0x7fffffff - kFusedRows) return InvalidArgument("iql_fused: B must be in [1, 2^31 - 129]");
+  const int64_t P = 2 * H + 4, S = CeilDiv(B, kFusedRows);
+  if (!HasShape(w1t, {G * H, D})) return wrong("w1t must be [G H, D]", w1t);
+  if (!HasShape(target, {B})) return wrong("target must be [B]", target);
+  if (!HasShape(w2, {G, H})) return wrong("w2 must be [G, H]", w2);
+  if (!HasShape(b2, {G})) return wrong("b2 must be [G]", b2);
+  if (!HasShape(taus, {G})) return wrong("taus must be [G]", taus);
+  if (!HasShape(*db1, {G, H})) return wrong("db1 must be [G, H]", *db1);
+  if (!HasShape(*dw2, {G, H})) return wrong("dw2 must be [G, H]", *dw2);
+  if (!HasShape(*db2, {G})) return wrong("db2 must be [G]", *db2);
+  if (!HasShape(*loss, {G})) return wrong("loss must be [G]", *loss);
+  if (!HasShape(*dpre, {B, G * H})) return wrong("dpre must be [B, G H]", *dpre);
+  if (!HasShape(*dy, {G, B})) return wrong("dy must be [G, B]", *dy);
+  if (!HasShape(*part, {S, G, P})) return wrong("partials workspace must be [ceil(B / 128), G, 2 H + 4]", *part);
+  if (!Aligned(obs.typed_data(), 16) || !Aligned(w1t.typed_data(), 16)) {
+    return InvalidArgument("iql_fused: obs and w1t must be 16-byte aligned (XLA's buffers are)");
+  }
+  const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(G));
+  auto launch = [&](auto kernel, int smem) -> ffi::Error {
+    JAXFOX_RETURN_IF_ERROR(PrepareSmem("iql_fused", kernel, smem));
+    kernel<<<grid, kThreads, smem, stream>>>(obs.typed_data(), w1t.typed_data(), target.typed_data(),
+                                             b1.typed_data(), w2.typed_data(), b2.typed_data(), taus.typed_data(),
+                                             B, static_cast<int>(D), inv_batch, dpre->typed_data(),
+                                             dy->typed_data(), part->typed_data());
+    return LastCudaError("iql_fused");
+  };
+  // H = 128: two CTAs an SM (128 registers a thread; 55.16 us a step of the bench's IQL pair on an H100 against
+  // 58.21 us with one CTA an SM and no register cap; BENCHMARKS.md, forty-fifth session)
+  JAXFOX_RETURN_IF_ERROR(H == 256 ? launch(iql_fused_kernel<2, 1>, FusedSmemBytes(2))
+                                  : launch(iql_fused_kernel<1, 2>, FusedSmemBytes(1)));
+  iql_finish_kernel<<<static_cast<unsigned>(CeilDiv(G * P, 32)), 32 * kSumRows, 0, stream>>>(
+      part->typed_data(), static_cast<int>(S), static_cast<int>(G), static_cast<int>(H), db1->typed_data(),
+      dw2->typed_data(), db2->typed_data(), loss->typed_data());
+  return LastCudaError("iql_finish");
+}
+#endif  // JAXFOX_SM90A_BUILD
+
+}  // namespace
+}  // namespace jaxfox
+
+// The operands after the leading ones (pre, or obs and w1t), the attribute and the results, the same for both targets:
+// target [B], b1 [G, H], w2 [G, H], b2 [G], taus [G]; inv_batch; db1 [G, H], dw2 [G, H], db2 [G], loss [G], dpre
+// [B, G H], dy [G, B] and the workspace of partial rows [S, G, P].
+namespace jaxfox {
+namespace {
+template <typename Binding>
+auto IqlHeadBinding(Binding b) {
+  using F32 = ffi::Buffer<ffi::F32>;
+  return std::move(b)
+      .template Arg<F32>()
+      .template Arg<F32>()
+      .template Arg<F32>()
+      .template Arg<F32>()
+      .template Arg<F32>()
+      .template Attr<float>("inv_batch")
+      .template Ret<F32>()
+      .template Ret<F32>()
+      .template Ret<F32>()
+      .template Ret<F32>()
+      .template Ret<F32>()
+      .template Ret<F32>()
+      .template Ret<F32>();
+}
 }  // namespace
 }  // namespace jaxfox
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iql_head, jaxfox::IqlHeadImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // pre [B, G H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // target [B]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // b1 [G, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // w2 [G, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // b2 [G]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // taus [G]
-                                  .Attr<float>("inv_batch")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // db1 [G, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dw2 [G, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // db2 [G]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // loss [G]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dpre [B, G H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dy [G, B]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace: partials [S, G, P]
+                              jaxfox::IqlHeadBinding(xla::ffi::Ffi::Bind()
+                                                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()),  // pre [B, G H]
                               {xla::ffi::Traits::kCmdBufferCompatible});
+
+#if defined(JAXFOX_SM90A_BUILD)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iql_fused, jaxfox::IqlFusedImpl,
+                              jaxfox::IqlHeadBinding(xla::ffi::Ffi::Bind()
+                                                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // obs [B, D]
+                                                         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()),  // w1t [G H, D]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#endif  // JAXFOX_SM90A_BUILD

@@ -24,7 +24,16 @@
   X(jaxfox_iqn_head_fwd)    \
   X(jaxfox_iqn_head_bwd)    \
   X(jaxfox_iqn_loss)        \
-  X(jaxfox_iql_head)
+  X(jaxfox_iql_head)         \
+  JAXFOX_SM90A_TARGETS(X)
+
+// Targets whose kernels exist only as sm_90a machine code (wgmma): registered by builds for 90a-real
+// (CMakeLists.txt defines JAXFOX_SM90A_BUILD), absent otherwise (jaxfox/_ffi.py has_target).
+#if defined(JAXFOX_SM90A_BUILD)
+#define JAXFOX_SM90A_TARGETS(X) X(jaxfox_iql_fused)
+#else
+#define JAXFOX_SM90A_TARGETS(X)
+#endif
 
 #define JAXFOX_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JAXFOX_TARGETS(JAXFOX_DECLARE)

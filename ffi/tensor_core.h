@@ -125,4 +125,61 @@ __device__ __forceinline__ void StoreRows(float* dst, int ld, const Frags<FR, FC
   });
 }
 
+// ---- Hopper warpgroup MMA (wgmma, sm_90a only: compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined, i.e. for
+// -gencode arch=compute_90a,code=sm_90a; CMakeLists.txt builds 90a-real and defines JAXFOX_SM90A_BUILD for the
+// host). Operands in shared memory, K-major (each row of a tile holds K contiguous floats), in 128-byte swizzled
+// rows: 32 floats of K a row, the 16-byte chunk c of row r stored at chunk c ^ (r % 8), 8-row atoms of 1024 bytes
+// (aligned to 1024). PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate" (matrix descriptors,
+// shared-memory layouts); TF32 operands must be K-major, and the tensor cores read only their TF32 bits
+// (truncation of the float32 inputs, as XLA's Hopper TF32 GEMMs that load their tiles with the copy engine).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXFOX_HAS_WGMMA 1
+
+// Descriptor of a K-major, 128-byte-swizzled tile at shared address `saddr` (its 8-row atoms 1024 bytes apart);
+// the k-th 8-float step inside a 32-float row is saddr + 32 k.
+__device__ __forceinline__ uint64_t WgmmaDescSw128(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaWaitAll() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins the accumulators in place around wgmma: the compiler may not move their reads or writes across this point
+// (wgmma.wait_group names no registers; CUTLASS's warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void WgmmaFenceOperand(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Makes this thread's generic-proxy writes to shared memory (plain stores, cp.async) visible to the async proxy
+// (wgmma's operand reads): each writing thread, before the barrier that precedes the wgmma.
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// d (64 x 128, float32) = A (64 x 8) B^T (B: 128 x 8) + (scale_d ? d : 0), over a warpgroup (128 threads).
+// Thread (warp w of the warpgroup, lane l) holds rows 16 w + l / 4 (d[4 j], d[4 j + 1]) and 16 w + l / 4 + 8
+// (d[4 j + 2], d[4 j + 3]), columns 8 j + 2 (l % 4) and + 1, for j < 16.
+__device__ __forceinline__ void WgmmaM64N128K8Tf32(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 }  // namespace jaxfox

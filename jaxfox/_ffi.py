@@ -55,6 +55,15 @@ def _reference_forced() -> bool:
     return bool(getattr(_local, "reference", 0))
 
 
+_registered: set[str] = set()  # the FFI targets _load registered
+
+
+def has_target(name: str) -> bool:
+    """Whether the built extension registered FFI target ``name`` (targets of sm_90a-only kernels exist only in
+    builds with sm_90a machine code: ffi/targets.h JAXFOX_SM90A_TARGETS)."""
+    return _load()[0] and name in _registered
+
+
 @functools.cache
 def _load() -> tuple[bool, str | None]:
     """Imports the extension and registers its FFI targets. Returns (ok, reason-if-not)."""
@@ -66,6 +75,7 @@ def _load() -> tuple[bool, str | None]:
     try:
         for name, capsule in _jaxfox_cuda.targets().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            _registered.add(name)
     except Exception as e:  # registration failures name the versions involved
         import jaxlib
 

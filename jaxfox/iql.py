@@ -17,13 +17,23 @@ dW1 = obs^T dpre (and d obs = dpre W1^T, when wanted) is XLA's GEMM again, by au
 The kernel computes the gradient in the forward call and keeps it as the ``custom_vjp`` residual, so the
 backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.grad``) still pays for it.
 
+On compute capability 9.0 (H100, H200) with H = 128 or 256 and D a multiple of 4, one kernel does the first
+product too (FFI target ``jaxfox_iql_fused``): it runs obs W1_g on the tensor cores (wgmma, TF32) for a tile of
+128 rows and applies the head to the products in registers, so pre [B, G H] is never written nor read back; its
+results and the backward are the head path's. (Its machine code is sm_90a: builds for other architectures do not
+register the target, and then the head path runs.)
+
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
-precision, as on the reference path); everything in the kernel is float32.
+precision, as on the reference path), except the fused kernel's first product: TF32, its inputs truncated to
+TF32 by the tensor cores, float32 accumulation (under ``jax.default_matmul_precision("highest")`` the head path
+runs, with XLA's float32 product); everything else in the kernels is float32.
 
 The kernel path runs by default for hidden widths H >= 128 (chosen when a function is traced); for smaller H it is
-opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --ops iql_pair`` at D = 256 with other
-shapes; BENCHMARKS.md, thirty-sixth session) it is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024,
-4096, 8192 and 16384 (62.98 vs 69.34 us a step at B = 16384; XLA's two GEMMs are 31 us of it). Below H = 128 a
+opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --ops iql_pair``, B = 16384,
+2 x (256 -> 128 -> 1); BENCHMARKS.md, forty-fifth session) the fused path takes 55.16 us a step against XLA's
+67.65 us (1.23x), and the head path 61.06 us (1.10x) in the same command; the fused kernel is 19.0 us of it, XLA's
+weight-gradient GEMM 17.3 us. The head path, at D = 256 with other shapes (thirty-sixth session), is 1.03x,
+1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024, 4096, 8192 and 16384. Below H = 128 a
 warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32, and
 0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple of 4 up to 512, G <= 65535 networks and
 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
@@ -42,9 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import (cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, kernel_opted_in,
-                         psum_to_match)
+from jaxfox._ffi import (cuda_compute_capability, dispatch, explicitly_split, ffi_call as _ffi_call, has_target,
+                         kernel_opted_in, psum_to_match)
 from jaxfox._validate import check_array, in_open_unit_float32
+from jaxfox.gemm import _precision_is_highest
 
 __all__ = ["iql_value_loss"]
 
@@ -117,20 +128,23 @@ def _head_splits(B, G):
     return min(-(-B // _HEAD_TILE), max(1, _HEAD_CTAS // G))
 
 
+def _results(B, G, H, S):
+    """The results of both FFI targets (jaxfox_iql_head, jaxfox_iql_fused), all float32."""
+    f32 = jnp.float32
+    return (jax.ShapeDtypeStruct((G, H), f32),                                  # db1
+            jax.ShapeDtypeStruct((G, H), f32),                                  # dw2
+            jax.ShapeDtypeStruct((G,), f32),                                    # db2
+            jax.ShapeDtypeStruct((G,), f32),                                    # loss
+            jax.ShapeDtypeStruct((B, G * H), f32),                              # dpre
+            jax.ShapeDtypeStruct((G, B), f32),                                  # dy
+            jax.ShapeDtypeStruct((S, G, 2 * H + 4), f32))                       # workspace: S partial rows a network
+
+
 def _head_call(cfg, pre, b1, w2, b2, target):
     B = pre.shape[0]
-    G, H = b1.shape
-    S = _head_splits(B, G)
-    f32 = jnp.float32
-    out = (jax.ShapeDtypeStruct((G, H), f32),                                  # db1
-           jax.ShapeDtypeStruct((G, H), f32),                                  # dw2
-           jax.ShapeDtypeStruct((G,), f32),                                    # db2
-           jax.ShapeDtypeStruct((G,), f32),                                    # loss
-           jax.ShapeDtypeStruct((B, G * H), f32),                              # dpre
-           jax.ShapeDtypeStruct((G, B), f32),                                  # dy
-           jax.ShapeDtypeStruct((S, G, 2 * H + 4), f32))                       # workspace: per-block partial rows
-    *res, _ = _ffi_call("jaxfox_iql_head", out, vmap_method="sequential")(
-        pre, target, b1, w2, b2, jnp.asarray(cfg.taus, f32), inv_batch=np.float32(1.0 / B))
+    G = b1.shape[0]
+    *res, _ = _ffi_call("jaxfox_iql_head", _results(B, *b1.shape, _head_splits(B, G)), vmap_method="sequential")(
+        pre, target, b1, w2, b2, jnp.asarray(cfg.taus, jnp.float32), inv_batch=np.float32(1.0 / B))
     return tuple(res)
 
 
@@ -155,12 +169,62 @@ def _head_bwd(cfg, res, gl):
 _head.defvjp(_head_fwd, _head_bwd)
 
 
+# The fused path (compute capability 9.0, H = 128 or 256): one FFI call (ffi/iql.cu jaxfox_iql_fused) runs the first
+# product on the tensor cores (wgmma) with the head in its epilogue, so pre never reaches device memory; its results
+# are jaxfox_iql_head's. The backward is XLA's products of dpre, as on the head path.
+_FUSED_TARGET = "jaxfox_iql_fused"
+_FUSED_ROWS = 128            # ffi/iql.cu kFusedRows: rows of a CTA's tile (one partial row per tile and network)
+
+
+def _fused_supported(G, D, H, B):
+    """ffi/iql.cu IqlFusedImpl's limits: H = 128 or 256, D a multiple of 4, G <= 65535, B <= 2^31 - 129, on a
+    compute capability 9.0 device with an extension built with sm_90a machine code (its kernel uses wgmma); and
+    the default matmul precision not float32 (its product is TF32: under ``jax.default_matmul_precision("highest")``
+    the head path runs, whose product is XLA's at that precision)."""
+    return (H in (128, 256) and D % 4 == 0 and G <= 65535 and 1 <= B <= 2**31 - 129
+            and cuda_compute_capability() == (9, 0) and has_target(_FUSED_TARGET)
+            and not _precision_is_highest(None))
+
+
+def _fused_call(cfg, obs, w1t, b1, w2, b2, target):
+    B = obs.shape[0]
+    *res, _ = _ffi_call(_FUSED_TARGET, _results(B, *b1.shape, -(-B // _FUSED_ROWS)), vmap_method="sequential")(
+        obs, w1t, target, b1, w2, b2, jnp.asarray(cfg.taus, jnp.float32), inv_batch=np.float32(1.0 / B))
+    return tuple(res)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(cfg, obs, w1t, b1, w2, b2, target):
+    return _fused_fwd(cfg, obs, w1t, b1, w2, b2, target)[0]
+
+
+def _fused_fwd(cfg, obs, w1t, b1, w2, b2, target):
+    db1, dw2, db2, loss, dpre, dy = _fused_call(cfg, obs, w1t, b1, w2, b2, target)
+    return loss, (db1, dw2, db2, dpre, dy, (obs, w1t, b1, w2, b2, target))
+
+
+def _fused_bwd(cfg, res, gl):
+    db1, dw2, db2, dpre, dy, primals = res
+    obs, w1t = primals[0], primals[1]
+    gcol = jnp.repeat(gl, db1.shape[1])  # [G H]: each network's loss cotangent on its columns
+    # the cotangent scales the small products, not dpre [B, G H]: dW1^T = gcol dpre^T obs, d obs = dpre (gcol W1^T)
+    dw1t = gcol[:, None] * jax.lax.dot_general(dpre, obs, (((0,), (0,)), ((), ())))
+    dobs = jnp.dot(dpre, gcol[:, None] * w1t)
+    cts = (dobs, dw1t, gl[:, None] * db1, gl[:, None] * dw2, gl * db2, jnp.sum(gl[:, None] * dy, axis=0))
+    return psum_to_match(cts, primals)  # inside shard_map: the replicated params' per-device partials summed
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
 def _loss_head(cfg, w1, b1, w2, b2, obs, target):
     G, D, H = w1.shape
-    # one GEMM for the G networks, pre = obs [W1_1 | .. | W1_G] [B, G H], with the weights as [G H, D] (both operands
-    # contracted along their last axis: XLA's Hopper TF32 GEMM, 13.2 us against 14.9 us for a [D, G H] operand on
-    # the H100 at B = 16384, D = G H = 256; BENCHMARKS.md, thirty-sixth session)
+    # the weights as [G H, D]: the fused kernel's K-major operand, and on the head path XLA's Hopper TF32 GEMM with
+    # both operands contracted along their last axis (13.2 us against 14.9 us for a [D, G H] operand on the H100 at
+    # B = 16384, D = G H = 256; BENCHMARKS.md, thirty-sixth session)
     w1t = jnp.swapaxes(w1, 1, 2).reshape(G * H, D)
+    if _fused_supported(G, D, H, obs.shape[0]):
+        return _fused(cfg, obs, w1t, b1, w2.reshape(G, H), b2.reshape(G), target)
     pre = jax.lax.dot_general(obs, w1t, (((1,), (1,)), ((), ())))
     return _head(cfg, pre, b1, w2.reshape(G, H), b2.reshape(G), target)
 
@@ -193,8 +257,8 @@ def iql_value_loss(params, obs, target, expectiles):
 
     Differentiable (reverse mode) in params, obs and target. On the kernel path the kernel gives dpre, d target
     (its per-row dv) and the gradients of b1, w2 and b2; XLA's GEMMs give dW1 = obs^T dpre and d obs; forward
-    mode and higher derivatives only off the kernel path. The products are XLA's on both paths (module
-    docstring).
+    mode and higher derivatives only off the kernel path. The products are XLA's, except the first one on an
+    sm_90 GPU at H = 128 or 256, which the fused kernel computes in TF32 (module docstring).
 
     Source: Kostrikov, Nair & Levine 2021, "Offline Reinforcement Learning with Implicit Q-Learning", eq. (5)
     and ikostrikov/implicit_q_learning's ``expectile_loss`` (mean over the batch); OPS.md "Losses".

@@ -1,4 +1,5 @@
-"""Small IQL value-loss runs through the CUDA kernel path (ffi/iql.cu: jaxfox_iql_head), for compute-sanitizer.
+"""Small IQL value-loss runs through the CUDA kernel paths (ffi/iql.cu: jaxfox_iql_head, and jaxfox_iql_fused where
+it applies: H = 128 or 256 and D a multiple of 4 on compute capability 9.0), for compute-sanitizer.
 
 Run on the GPU machine (tools/gpu_visit.sh phase ``sanitize:iql``), e.g.:
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_iql.py
@@ -11,8 +12,13 @@ Cases (G, D, H, B), each run once:
 rows a column (its thread row 0 takes 5 of them, the others 4) over 2 x 260 columns (17 blocks, the last partial);
 (2, 48, 132, 300): H = 132, two column chunks a lane (the second only on lane 0);
 (1, 32, 512, 70): H = 512, the widest (four column chunks a lane), 1028 partial-row columns (the last finish block
-takes 4 of its 32).
-Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM, the kernel, and XLA's weight-gradient GEMM;
+takes 4 of its 32);
+(1, 100, 256, 300): on sm_90 the fused kernel at H = 256 (two 128-column products a k-step), D = 100 (its last
+32-float K chunk holds 4 floats, the rest zero-filled), 3 tiles of 128 rows, the last one 44;
+(3, 36, 128, 129): on sm_90 the fused kernel for G = 3, D = 36 (2 K chunks), 2 tiles, the last one 1 row.
+On sm_90 the cases of H = 128 (the first and the fourth too) run the fused kernel; the rest the head kernel.
+Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM and the head kernel, or the fused kernel; then
+XLA's weight-gradient GEMM;
 on an H100 the sanitizer ran such programs, the thirty-fifth session), blocks until ready, and checks that every
 result is finite, and the values against the float64 NumPy oracle of tests/test_iql.py (rel err <= 5e-3 per
 array, the TF32 tolerance) on the exact-math inputs of tests/test_iql.py (every first-layer pre-activation
@@ -41,7 +47,7 @@ import numpy as np  # noqa: E402
 
 import jaxfox  # noqa: E402
 
-TARGET = "jaxfox_iql_head"
+TARGETS = ("jaxfox_iql_head", "jaxfox_iql_fused")  # the fused kernel where it applies (H = 128, 256 on sm_90)
 TOL = 5e-3
 
 
@@ -60,7 +66,9 @@ def case(G, D, H, B, seed=0) -> bool:
         return loss, named(*vjp(c))
 
     compiled = jax.jit(f).lower(params, obs, target, c).compile()
-    assert TARGET in compiled.as_text(), "kernel path not taken"
+    text = compiled.as_text()
+    taken = [t for t in TARGETS if t in text]
+    assert taken, "kernel path not taken"
     loss, grads = jax.device_get(jax.block_until_ready(compiled(params, obs, target, c)))
     got = {"loss": loss, **grads}
     bad = [k for k, v in got.items() if not np.isfinite(np.asarray(v)).all()]
@@ -71,7 +79,7 @@ def case(G, D, H, B, seed=0) -> bool:
     want = {"loss": np_iql_loss(params, obs, target, taus), **{k: want_g[k] for k in grads}}
     errs = {k: rel_err(got[k], want[k]) for k in got}
     ok = all(e <= TOL for e in errs.values())
-    print(f"iql_value_loss G={G} D={D} H={H} B={B}: {'ok' if ok else 'OFF THE ORACLE'} "
+    print(f"iql_value_loss G={G} D={D} H={H} B={B} ({taken[0]}): {'ok' if ok else 'OFF THE ORACLE'} "
           f"(rel errs {', '.join(f'{k} {e:.1e}' for k, e in errs.items())})", flush=True)
     return ok
 
@@ -82,7 +90,7 @@ def main() -> int:
         return 2
     ok = True
     for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300),
-                  (1, 32, 512, 70)):
+                  (1, 32, 512, 70), (1, 100, 256, 300), (3, 36, 128, 129)):
         ok = case(*shape, seed=sum(shape)) and ok
     if not ok:
         print("FAILED")

@@ -1,4 +1,6 @@
-"""GPU tests of the IQL value loss's kernel path (ffi/iql.cu: jaxfox_iql_head), ``pytest -m gpu`` on the H200.
+"""GPU tests of the IQL value loss's kernel path (ffi/iql.cu: jaxfox_iql_head, and on compute capability 9.0
+jaxfox_iql_fused for H = 128 or 256: the first product on wgmma with the head in its epilogue; section (h)),
+``pytest -m gpu`` on the H200.
 
 Every test is marked ``gpu``; the module is skipped when the kernels are not available (no CUDA device,
 extension not built, JAXFOX_DISABLE_KERNELS set). The kernel runs by default for H >= 128 and is opt-in below: the
@@ -59,7 +61,15 @@ pytestmark = pytest.mark.gpu
 _opt_in = module_opt_in("iql")  # the kernel path is opt-in below H = 128 (jaxfox.iql._DEFAULT_MIN_H), and most
                                 # shapes here are smaller; the command-buffer children inherit it
 
-TARGET = "jaxfox_iql_head"
+TARGETS = ("jaxfox_iql_head", "jaxfox_iql_fused")  # the fused kernel (first product + head) on sm_90 for H = 128, 256
+
+
+def _kernel_in(text):
+    return any(t in text for t in TARGETS)
+
+
+def _n_calls(text):
+    return sum(text.count(f"custom_call @{t}") for t in TARGETS)
 TOL = 5e-3                          # TF32 products without mask flips: norm-wise relative error per array
 XLA_FACTOR, XLA_SLACK = 3.0, 2e-3   # typical init: err(kernel) <= XLA_FACTOR err(reference) + XLA_SLACK
 SHAPES = [  # G, D, H, B; exact-math inputs (blocks a network: S = min(tiles of 32 rows, 264 // G), jaxfox/iql.py)
@@ -113,11 +123,11 @@ def _run(fn, *args, reference=False):
     if reference:
         with jaxfox.use_reference():
             compiled = jax.jit(fn).lower(*args).compile()
-            assert TARGET not in compiled.as_text()
+            assert not _kernel_in(compiled.as_text())
             out = compiled(*args)
     else:
         compiled = jax.jit(fn).lower(*args).compile()
-        assert TARGET in compiled.as_text(), f"{TARGET} not in the compiled program: the kernel path was not taken"
+        assert _kernel_in(compiled.as_text()), "no IQL kernel in the compiled program: the kernel path was not taken"
         out = compiled(*args)
     return jax.device_get(out)
 
@@ -260,7 +270,7 @@ def test_dtarget_is_per_row():
     params, obs, target, c = _exact(G, D, H, B, seed=12)
     taus = (0.7, 0.9)
     f = jax.jit(_fwd_bwd(taus, (2,))).lower(params, obs, target, c).compile()  # one executable for every call
-    assert TARGET in f.as_text()
+    assert _kernel_in(f.as_text())
     _, g = jax.device_get(f(params, obs, target, c))
     for i in (0, 5, 31, 32, B - 1):
         others = np.array([j for j in range(B) if j != i])
@@ -278,7 +288,7 @@ def test_bitwise_repeatable(G, D, H, B):
     params, obs, target = typical_inputs(G, D, H, B, seed=13)
     args = (params, obs, target, cotangent(G, seed=13))
     f = jax.jit(_fwd_bwd(taus_for(G)))
-    assert TARGET in f.lower(*args).compile().as_text()
+    assert _kernel_in(f.lower(*args).compile().as_text())
     first = jax.device_get(f(*args))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(first))
     for _ in range(9):
@@ -309,7 +319,7 @@ def test_vmap_matches_per_instance_calls():
     targets = jnp.stack([cs[2] for cs in cases])
     vt = jax.jit(jax.vmap(_fwd_bwd(taus), in_axes=(None, None, 0, None))).lower(params, obs, targets, c)
     vt = vt.compile(compiler_options=fixed)
-    assert TARGET in vt.as_text()
+    assert _kernel_in(vt.as_text())
     vt = jax.device_get(vt(params, obs, targets, c))
     alone = jax.jit(_fwd_bwd(taus)).lower(params, obs, targets[0], c).compile(compiler_options=fixed)
     for v in range(V):
@@ -328,15 +338,15 @@ def test_kernel_is_in_the_program_and_not_in_the_reference():
     params, obs, target = typical_inputs(G, D, H, B)
     args = (params, obs, target, cotangent(G))
     f = _fwd_bwd((0.7, 0.9), argnums=(0, 2))
-    assert jax.jit(f).lower(*args).as_text().count(f"custom_call @{TARGET}") == 1
+    assert _n_calls(jax.jit(f).lower(*args).as_text()) == 1
     text = jax.jit(f).lower(*args).compile().as_text()
-    assert TARGET in text
+    assert _kernel_in(text)
     # the lowered program carries zero placeholders for the reference branch's [G, B, H] residuals
     # (platform_dependent): the compiled one must not (no [B, H] activation in memory, ffi/iql.cu)
     acts = re.findall(rf"(?:f32|pred)\[{G},{B},{H}\]|(?:f32|pred)\[{G},{H},{B}\]|f32\[{B},{H}\]", text)
     assert not acts, f"[G, B, H] buffers in the compiled kernel-path program: {sorted(set(acts))}"
     with jaxfox.use_reference():
-        assert TARGET not in jax.jit(f).lower(*args).compile().as_text()
+        assert not _kernel_in(jax.jit(f).lower(*args).compile().as_text())
 
 
 @pytest.mark.parametrize("G,D,H,B", [(2, 32, 6, 50), (2, 16, 516, 40)])
@@ -345,7 +355,7 @@ def test_shapes_outside_the_kernel_run_the_reference(G, D, H, B):
     CUDA (XLA, TF32), matching the oracle on exact-math inputs."""
     args = _exact(G, D, H, B, seed=17)
     compiled = jax.jit(_fwd_bwd(taus_for(G))).lower(*args).compile()
-    assert TARGET not in compiled.as_text()
+    assert not _kernel_in(compiled.as_text())
     _assert_close(jax.device_get(compiled(*args)), _oracle(*args[:3], taus_for(G), args[3]), TOL,
                   "reference on CUDA vs oracle")
 
@@ -392,7 +402,8 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
             return jax.lax.scan(body, (p, o), None, length=3)
 
         text = run.lower(p, obs, target).compile().as_text()
-        assert "jaxfox_iql_head" in text
+        # the fused kernel on sm_90 at H = 128 (the first shape), the head kernel otherwise
+        assert "jaxfox_iql_head" in text or "jaxfox_iql_fused" in text
         for it in range(3):  # command buffers are recorded / updated over the first executions
             (pp, oo), (l, gt) = jax.device_get(run(p, obs, target))
             out[f"{B}_obs_run{it}"] = oo
@@ -438,10 +449,10 @@ def test_adam_training_losses_fall():
         if reference:
             with jaxfox.use_reference():
                 compiled = jax.jit(step).lower(params0, opt.init(params0)).compile()
-                assert TARGET not in compiled.as_text()
+                assert not _kernel_in(compiled.as_text())
         else:
             compiled = jax.jit(step).lower(params0, opt.init(params0)).compile()
-            assert TARGET in compiled.as_text()
+            assert _kernel_in(compiled.as_text())
         p, s, losses = params0, opt.init(params0), []
         for _ in range(50):
             p, s, loss = compiled(p, s)
@@ -466,3 +477,26 @@ def test_exact_inputs_reach_every_mask_kind():
     assert ((u > 0).mean(axis=1) > 0.3).all() and ((u > 0).mean(axis=1) < 0.7).all()
     _, g = _run(_fwd_bwd((0.7, 0.9), (0,)), params, obs, target, c)
     assert set(g) == set(GRAD_KEYS[:4]) and np.abs(g["dw1"]).max() > 0
+
+
+# (h) Which kernel: the fused one (ffi/iql.cu jaxfox_iql_fused: the first product on wgmma with the head in its
+# epilogue) on compute capability 9.0 for H = 128 or 256 and D a multiple of 4; the head kernel between XLA's
+# products elsewhere. Both against the oracle on exact-math inputs.
+@pytest.mark.parametrize("G,D,H,B,fused", [
+    (2, 256, 128, 16384, True),   # the aux trainers' shape: 128 tiles of 128 rows a network
+    (1, 100, 256, 300, True),     # H = 256 (two 128-column products a k-step), D = 100: the last K chunk 4 of 32
+    (3, 36, 128, 129, True),      # G = 3, D = 36 (2 chunks, the second 4 floats), 2 tiles, the last one 1 row
+    (2, 256, 64, 100, False),     # H = 64: head kernel
+    (2, 48, 132, 300, False),     # H = 132: head kernel
+    (2, 30, 128, 50, False),      # D = 30, not a multiple of 4: head kernel
+])
+def test_fused_kernel_where_it_applies(G, D, H, B, fused):
+    from jaxfox._ffi import cuda_compute_capability
+
+    want_fused = fused and cuda_compute_capability() == (9, 0)
+    args = _exact(G, D, H, B, seed=G + D + H + B)
+    compiled = jax.jit(_fwd_bwd(taus_for(G))).lower(*args).compile()
+    text = compiled.as_text()
+    assert ("jaxfox_iql_fused" in text) == want_fused and ("jaxfox_iql_head" in text) == (not want_fused)
+    _assert_close(jax.device_get(compiled(*args)), _oracle(*args[:3], taus_for(G), args[3]), TOL,
+                  f"{'fused' if want_fused else 'head'} kernel path vs oracle")

@@ -7,7 +7,9 @@
 * the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_head; by default for H >= 128, opt-in below:
   JAXFOX_OPT_IN_KERNELS=iql), traced and lowered for CUDA on this CPU machine with the kernels forced on and opted in: one FFI call between XLA's
   first-layer GEMM and its weight-gradient GEMM, with which operand / result shapes and attributes, which
-  products, and which shapes fall back to the reference; its Python wiring (the custom_vjp around the call)
+  products, and which shapes fall back to the reference; the same for the fused target jaxfox_iql_fused (forced:
+  it needs an sm_90 device), and which shapes, devices, builds and precisions choose it; its Python wiring (the
+  custom_vjp around the call)
   against the oracle with the FFI call's results computed in JAX.
 
 The oracle and the input builders (``exact_inputs``: every first-layer pre-activation and every residual u kept
@@ -660,6 +662,54 @@ def test_kernel_path_taus_operand(kernels_on):
         [l for l in text.splitlines() if "tensor<3xf32>" in l and "constant" in l]
 
 
+@pytest.mark.parametrize("G,D,H,B", [(2, 256, 128, 37), (2, 256, 128, 16384), (1, 100, 256, 129), (3, 36, 128, 1)])
+@pytest.mark.parametrize("argnums", [(0,), (0, 1, 2), (1,)], ids=str)
+def test_fused_path_lowering(kernels_on, monkeypatch, G, D, H, B, argnums):
+    """Where the fused kernel applies (forced here: it needs a compute capability 9.0 device), ONE jaxfox_iql_fused
+    call takes obs and the weights as [G H, D] (no forward dot_general, no jaxfox_iql_head), its partials have
+    ceil(B / 128) rows, and the backward is XLA's dW1 = dpre^T obs and d obs = dpre W1^T, each only when wanted."""
+    monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: True)
+    params, obs, target = typical_inputs(G, D, H, B)
+    text = _cuda_text(_value_and_grad(taus_for(G), argnums), params, obs, target, cotangent(G))
+    assert text.count("custom_call @jaxfox_iql_fused") == 1 and text.count("custom_call @jaxfox") == 1
+    m = re.search(r"custom_call @jaxfox_iql_fused\(.*mhlo\.backend_config = \{([^}]*)\}.*\} : \((.*)\) -> \((.*)\)$",
+                  text, re.M)
+    assert m, text
+    assert m.group(2).split(", ") == [_t(B, D), _t(G * H, D), _t(B), _t(G, H), _t(G, H), _t(G), _t(G)]
+    S = -(-B // 128)
+    assert m.group(3).split(", ") == [_t(G, H), _t(G, H), _t(G), _t(G), _t(B, G * H), _t(G, B),
+                                      _t(S, G, 2 * H + 4)]
+    assert abs(float(dict(re.findall(r"(\w+) = ([^,]+?)(?:,|$)", m.group(1)))["inv_batch"].split(":")[0])
+               - 1.0 / B) <= 1e-7 / B
+    want = []
+    if 0 in argnums:
+        want.append(f"({_t(B, G * H)}, {_t(B, D)}) -> {_t(G * H, D)}")          # dW1 as [G H, D]: dpre^T obs
+    if 1 in argnums:
+        want.append(f"({_t(B, G * H)}, {_t(G * H, D)}) -> {_t(B, D)}")          # d obs
+    assert sorted(_dot_types(text)) == sorted(want), _dot_types(text)
+
+
+def test_fused_path_needs_hopper_and_its_build(monkeypatch):
+    """The fused kernel is chosen only for H = 128 or 256, D a multiple of 4, on compute capability 9.0 with the
+    jaxfox_iql_fused target registered (builds with sm_90a machine code), and not when float32 products are asked
+    for (its product is TF32)."""
+    monkeypatch.setattr(iql_mod, "cuda_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(iql_mod, "has_target", lambda name: name == "jaxfox_iql_fused")
+    assert iql_mod._fused_supported(2, 256, 128, 16384) and iql_mod._fused_supported(1, 4, 256, 1)
+    assert iql_mod._fused_supported(2, 256, 128, 2**31 - 129) and not iql_mod._fused_supported(2, 256, 128, 2**31 - 128)
+    for G, D, H in [(2, 256, 64), (2, 256, 132), (2, 256, 512), (2, 30, 128), (65536, 8, 128)]:
+        assert not iql_mod._fused_supported(G, D, H, 100), (G, D, H)
+    for cc in [(8, 0), (8, 9), (10, 0), None]:
+        monkeypatch.setattr(iql_mod, "cuda_compute_capability", lambda cc=cc: cc)
+        assert not iql_mod._fused_supported(2, 256, 128, 100), cc
+    monkeypatch.setattr(iql_mod, "cuda_compute_capability", lambda: (9, 0))
+    for precision, ok in [("highest", False), ("float32", False), ("tensorfloat32", True), ("bfloat16", True)]:
+        with jax.default_matmul_precision(precision):  # float32 products asked for: the head path (XLA's product)
+            assert iql_mod._fused_supported(2, 256, 128, 100) is ok, precision
+    monkeypatch.setattr(iql_mod, "has_target", lambda name: False)  # a build without sm_90a code
+    assert not iql_mod._fused_supported(2, 256, 128, 100)
+
+
 def _emulated_head_call(cfg, pre, b1, w2, b2, target):
     """jaxfox_iql_head's results written in JAX from ffi/iql.cu's comment (float32 sums in XLA's order): db1, dw2,
     db2, loss, dpre and dy."""
@@ -677,13 +727,23 @@ def _emulated_head_call(cfg, pre, b1, w2, b2, target):
             dpre.reshape(B, G * H), -dv.T)
 
 
+def _emulated_fused_call(cfg, obs, w1t, b1, w2, b2, target):
+    """jaxfox_iql_fused's results: jaxfox_iql_head's for pre = obs w1t^T."""
+    return _emulated_head_call(cfg, jnp.dot(obs, w1t.T, precision="highest"), b1, w2, b2, target)
+
+
+@pytest.mark.parametrize("path", ["head", "fused"])
 @pytest.mark.parametrize("G,D,H,B", [(2, 32, 16, 50), (3, 24, 8, 7), (1, 16, 4, 1)])
-def test_kernel_path_wiring_with_emulated_target(monkeypatch, G, D, H, B):
+def test_kernel_path_wiring_with_emulated_target(monkeypatch, G, D, H, B, path):
     """The kernel path's Python around the FFI call (the concatenated first layer, the custom_vjp's scaling of the
     kernel's gradients by each loss's cotangent, dpre through XLA's products to dW1 and d obs, d target) against
-    the float64 oracle, with jaxfox_iql_head's results computed in JAX (_emulated_head_call) and the products at
-    the highest precision: every loss and gradient to float32 accuracy, also under vmap."""
+    the float64 oracle, with the FFI call's results computed in JAX (_emulated_head_call, _emulated_fused_call)
+    and the products at the highest precision: every loss and gradient to float32 accuracy, also under vmap. Both
+    paths: the head kernel between XLA's products, and the fused kernel (first product and head; its custom_vjp
+    scales the small products by the cotangents instead of dpre)."""
     monkeypatch.setattr(iql_mod, "_head_call", _emulated_head_call)
+    monkeypatch.setattr(iql_mod, "_fused_call", _emulated_fused_call)
+    monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: path == "fused")
     params, obs, target = typical_inputs(G, D, H, B, seed=3)
     taus, c = taus_for(G), cotangent(G)
 
@@ -707,15 +767,19 @@ def test_kernel_path_wiring_with_emulated_target(monkeypatch, G, D, H, B):
             assert rel_err(leaf[i], want[k]) <= 1e-5, (i, k, rel_err(leaf[i], want[k]))
 
 
-def test_kernel_path_inside_shard_map(kernels_on, monkeypatch):
+@pytest.mark.parametrize("path", ["head", "fused"])
+def test_kernel_path_inside_shard_map(kernels_on, monkeypatch, path):
     """jax.shard_map over 2 devices (params replicated, rows split, the losses pmean-ed): lowered for CUDA, one
     kernel call per device program and all-reduces for the replicated parameters' gradients; on CPU, with the kernel
     path forced and jaxfox_iql_head's results computed in JAX (_emulated_head_call), the values and the gradients
     of params, obs and target equal the unsharded float64 oracle (each device's loss is the mean over its rows, so
-    the pmean over equal shards is the mean over the batch)."""
+    the pmean over equal shards is the mean over the batch). Both paths (the fused one forced; its custom_vjp sums
+    the replicated parameters' cotangents itself)."""
     from jax.sharding import AxisType, PartitionSpec
 
     G, D, H, B = 2, 6, 8, 16
+    monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: path == "fused")
+    target_name = TARGET if path == "head" else "jaxfox_iql_fused"
     taus, c = taus_for(G), cotangent(G)
     params, obs, target = typical_inputs(G, D, H, B, seed=5)
     mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
@@ -730,8 +794,10 @@ def test_kernel_path_inside_shard_map(kernels_on, monkeypatch):
 
     g = jax.value_and_grad(f, argnums=(0, 1, 2))
     text = _cuda_text(g, params, obs, target)
-    assert text.count(f"custom_call @{TARGET}") == 1 and "stablehlo.all_reduce" in text
+    assert text.count(f"custom_call @{target_name}") == 1 and text.count("custom_call @jaxfox") == 1
+    assert "stablehlo.all_reduce" in text
     monkeypatch.setattr(iql_mod, "_head_call", _emulated_head_call)
+    monkeypatch.setattr(iql_mod, "_fused_call", _emulated_fused_call)
     monkeypatch.setattr(iql_mod, "dispatch", lambda kernel, reference, *args: kernel(*args))
     with jax.default_matmul_precision("highest"):
         loss, (gp, gobs, gt) = jax.jit(g)(params, obs, target)

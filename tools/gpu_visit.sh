@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu_visit.sh build test:optim sanitize:optim bench:adamw,copy
 #
-# Phases: build (sm_90 only, all cores) | test:<module,...> (tests/test_gpu_<module>.py under `pytest -m gpu`;
+# Phases: build (sm_90a only, all cores) | test:<module,...> (tests/test_gpu_<module>.py under `pytest -m gpu`;
 #         a module may be `cfc::test_name` to run one test) | ptest:<module>:<n> (the same for one module, split over
 #         n pytest processes run at once: JAXFOX_TEST_SHARD, tests/conftest.py; their logs go into visit.log) |
 #         sanitize:<name,...> (memcheck, then racecheck, of tests/gpu_sanitize_<name>.py; `sanitize:` alone
@@ -45,7 +45,7 @@ for phase in "$@"; do
   t0=$(date +%s)
   case "$name" in
     build)
-      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
+      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a-real" \
         timeout "$(left)" python3 -m pip install --no-build-isolation --no-deps -e . >>"$log" 2>&1 \
         && (cd /tmp && python3 -c "import jaxfox; assert jaxfox.kernels_available(), jaxfox.kernels_unavailable_reason(); print('kernels available')") >>"$log" 2>&1 ;;
     test)

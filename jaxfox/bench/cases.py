@@ -337,8 +337,9 @@ def iql_pair_case(size: str) -> list[Variant]:
     """Two IQL value networks D -> H -> 1 (ReLU), identical shapes, on one batch of B states:
     value_and_grad of expectile(0.7) + expectile(0.9) losses (mean over B) w.r.t. both networks.
 
-    jaxfox path: :func:`jaxfox.iql_value_loss`'s kernel path (one XLA GEMM for both first layers, one kernel for
-    the rest of the losses and their gradients, XLA's GEMM for dW1); reference path: the same call under
+    jaxfox path: :func:`jaxfox.iql_value_loss`'s kernel path (on sm_90 one kernel for both first layers' product
+    and the rest of the losses and their gradients, elsewhere one XLA GEMM for both first layers and one kernel for
+    the rest; XLA's GEMM for dW1); reference path: the same call under
     ``use_reference()``, i.e. the networks ``jax.vmap``-ed over their stacked weights (batched GEMMs, TF32 at
     the default precision on the GPU), the baseline of issue 5.
     FLOPs: matmuls only, forward 2 B (D H + H) x 2 networks; forward+backward counted as 2x
