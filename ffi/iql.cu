@@ -335,6 +335,29 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
 #endif  // JAXFOX_HAS_WGMMA
 }
 
+// The operand and result shapes that both IQL targets share (G networks of width H, B rows); `op` names the target.
+ffi::Error CheckIqlShapes(const char* op, int64_t B, int64_t G, int64_t H, const ffi::Buffer<ffi::F32>& target,
+                          const ffi::Buffer<ffi::F32>& w2, const ffi::Buffer<ffi::F32>& b2,
+                          const ffi::Buffer<ffi::F32>& taus, const ffi::Buffer<ffi::F32>& db1,
+                          const ffi::Buffer<ffi::F32>& dw2, const ffi::Buffer<ffi::F32>& db2,
+                          const ffi::Buffer<ffi::F32>& loss, const ffi::Buffer<ffi::F32>& dpre,
+                          const ffi::Buffer<ffi::F32>& dy) {
+  auto wrong = [op](const char* what, const ffi::Buffer<ffi::F32>& buf) {
+    return InvalidArgument(std::string(op) + ": " + what + ", got " + DimsToString(buf.dimensions()));
+  };
+  if (!HasShape(target, {B})) return wrong("target must be [B]", target);
+  if (!HasShape(w2, {G, H})) return wrong("w2 must be [G, H]", w2);
+  if (!HasShape(b2, {G})) return wrong("b2 must be [G]", b2);
+  if (!HasShape(taus, {G})) return wrong("taus must be [G]", taus);
+  if (!HasShape(db1, {G, H})) return wrong("db1 must be [G, H]", db1);
+  if (!HasShape(dw2, {G, H})) return wrong("dw2 must be [G, H]", dw2);
+  if (!HasShape(db2, {G})) return wrong("db2 must be [G]", db2);
+  if (!HasShape(loss, {G})) return wrong("loss must be [G]", loss);
+  if (!HasShape(dpre, {B, G * H})) return wrong("dpre must be [B, G H]", dpre);
+  if (!HasShape(dy, {G, B})) return wrong("dy must be [G, B]", dy);
+  return ffi::Error::Success();
+}
+
 // FFI target jaxfox_iql_head: (pre [B, G H] = obs [W1_1 | .. | W1_G] without the bias, target [B], b1 [G, H],
 // w2 [G, H], b2 [G], taus [G]) -> db1 [G, H], dw2 [G, H], db2 [G], loss [G] (the column sums of every network,
 // the loss already divided by B), dpre [B, G H], dy [G, B], and the workspace partials [S, G, P] (P = 2 H + 4: each
@@ -360,16 +383,8 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
   if (B < 1 || B > 0x7fffffff - kHeadTile) return InvalidArgument("iql_head: B must be in [1, 2^31 - 33]");
   const int64_t P = 2 * H + 4;
   if (!HasShape(pre, {B, G * H})) return wrong("pre must be [B, G H]", pre);
-  if (!HasShape(target, {B})) return wrong("target must be [B]", target);
-  if (!HasShape(w2, {G, H})) return wrong("w2 must be [G, H]", w2);
-  if (!HasShape(b2, {G})) return wrong("b2 must be [G]", b2);
-  if (!HasShape(taus, {G})) return wrong("taus must be [G]", taus);
-  if (!HasShape(*db1, {G, H})) return wrong("db1 must be [G, H]", *db1);
-  if (!HasShape(*dw2, {G, H})) return wrong("dw2 must be [G, H]", *dw2);
-  if (!HasShape(*db2, {G})) return wrong("db2 must be [G]", *db2);
-  if (!HasShape(*loss, {G})) return wrong("loss must be [G]", *loss);
-  if (!HasShape(*dpre, {B, G * H})) return wrong("dpre must be [B, G H]", *dpre);
-  if (!HasShape(*dy, {G, B})) return wrong("dy must be [G, B]", *dy);
+  JAXFOX_RETURN_IF_ERROR(
+      CheckIqlShapes("iql_head", B, G, H, target, w2, b2, taus, *db1, *dw2, *db2, *loss, *dpre, *dy));
   const int64_t tiles = CeilDiv(B, kHeadTile);
   if (part->dimensions().size() != 3 || !HasShape(*part, {part->dimensions()[0], G, P})) {
     return wrong("partials workspace must be [S, G, 2 H + 4]", *part);
@@ -429,16 +444,8 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
   if (B < 1 || B > 0x7fffffff - kFusedRows) return InvalidArgument("iql_fused: B must be in [1, 2^31 - 129]");
   const int64_t P = 2 * H + 4, S = CeilDiv(B, kFusedRows);
   if (!HasShape(w1t, {G * H, D})) return wrong("w1t must be [G H, D]", w1t);
-  if (!HasShape(target, {B})) return wrong("target must be [B]", target);
-  if (!HasShape(w2, {G, H})) return wrong("w2 must be [G, H]", w2);
-  if (!HasShape(b2, {G})) return wrong("b2 must be [G]", b2);
-  if (!HasShape(taus, {G})) return wrong("taus must be [G]", taus);
-  if (!HasShape(*db1, {G, H})) return wrong("db1 must be [G, H]", *db1);
-  if (!HasShape(*dw2, {G, H})) return wrong("dw2 must be [G, H]", *dw2);
-  if (!HasShape(*db2, {G})) return wrong("db2 must be [G]", *db2);
-  if (!HasShape(*loss, {G})) return wrong("loss must be [G]", *loss);
-  if (!HasShape(*dpre, {B, G * H})) return wrong("dpre must be [B, G H]", *dpre);
-  if (!HasShape(*dy, {G, B})) return wrong("dy must be [G, B]", *dy);
+  JAXFOX_RETURN_IF_ERROR(CheckIqlShapes("iql_fused", B, G, H, target, w2, b2, taus, *db1, *dw2, *db2, *loss, *dpre,
+                                        *dy));
   if (!HasShape(*part, {S, G, P})) return wrong("partials workspace must be [ceil(B / 128), G, 2 H + 4]", *part);
   if (!Aligned(obs.typed_data(), 16) || !Aligned(w1t.typed_data(), 16)) {
     return InvalidArgument("iql_fused: obs and w1t must be 16-byte aligned (XLA's buffers are)");
