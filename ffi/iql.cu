@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(32 * kSumRows)
   }
 }
 
+#if defined(JAXFOX_SM90A_BUILD)  // builds with sm_90a machine code (CMakeLists.txt): the fused kernel and its target
 // ---- The fused path (sm_90a): the first product on wgmma, with the head in its epilogue -----------------------
 // jaxfox_iql_fused does what XLA's forward GEMM and jaxfox_iql_head do together, without pre ever reaching device
 // memory: CTA (x, g) computes the 128-row tile x of network g's pre-activations, obs[rows] W1_g (128 x H, K = D),
@@ -334,6 +335,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
   __trap();  // only sm_90a machine code holds this kernel: a launch of any other image is an error, not garbage
 #endif  // JAXFOX_HAS_WGMMA
 }
+#endif  // JAXFOX_SM90A_BUILD
 
 // The operand and result shapes that both IQL targets share (G networks of width H, B rows); `op` names the target.
 ffi::Error CheckIqlShapes(const char* op, int64_t B, int64_t G, int64_t H, const ffi::Buffer<ffi::F32>& target,
@@ -356,6 +358,16 @@ ffi::Error CheckIqlShapes(const char* op, int64_t B, int64_t G, int64_t H, const
   if (!HasShape(dpre, {B, G * H})) return wrong("dpre must be [B, G H]", dpre);
   if (!HasShape(dy, {G, B})) return wrong("dy must be [G, B]", dy);
   return ffi::Error::Success();
+}
+
+// Both targets' second launch: iql_finish_kernel sums the S partial rows [S, G, 2 H + 4] into db1, dw2, db2 and loss.
+ffi::Error LaunchFinish(cudaStream_t stream, ffi::Buffer<ffi::F32>& part, int64_t S, int64_t G, int64_t H,
+                        ffi::Buffer<ffi::F32>& db1, ffi::Buffer<ffi::F32>& dw2, ffi::Buffer<ffi::F32>& db2,
+                        ffi::Buffer<ffi::F32>& loss) {
+  iql_finish_kernel<<<static_cast<unsigned>(CeilDiv(G * (2 * H + 4), 32)), 32 * kSumRows, 0, stream>>>(
+      part.typed_data(), static_cast<int>(S), static_cast<int>(G), static_cast<int>(H), db1.typed_data(),
+      dw2.typed_data(), db2.typed_data(), loss.typed_data());
+  return LastCudaError("iql_finish");
 }
 
 // FFI target jaxfox_iql_head: (pre [B, G H] = obs [W1_1 | .. | W1_G] without the bias, target [B], b1 [G, H],
@@ -408,10 +420,7 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
     default: launch(iql_head_kernel<4>); break;
   }
   JAXFOX_RETURN_IF_ERROR(LastCudaError("iql_head"));
-  iql_finish_kernel<<<static_cast<unsigned>(CeilDiv(G * P, 32)), 32 * kSumRows, 0, stream>>>(
-      part->typed_data(), static_cast<int>(splits), static_cast<int>(G), static_cast<int>(H), db1->typed_data(),
-      dw2->typed_data(), db2->typed_data(), loss->typed_data());
-  return LastCudaError("iql_finish");
+  return LaunchFinish(stream, *part, splits, G, H, *db1, *dw2, *db2, *loss);
 }
 
 #if defined(JAXFOX_SM90A_BUILD)
@@ -463,10 +472,7 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
   // 58.21 us with one CTA an SM and no register cap; BENCHMARKS.md, forty-fifth session)
   JAXFOX_RETURN_IF_ERROR(H == 256 ? launch(iql_fused_kernel<2, 1>, FusedSmemBytes(2))
                                   : launch(iql_fused_kernel<1, 2>, FusedSmemBytes(1)));
-  iql_finish_kernel<<<static_cast<unsigned>(CeilDiv(G * P, 32)), 32 * kSumRows, 0, stream>>>(
-      part->typed_data(), static_cast<int>(S), static_cast<int>(G), static_cast<int>(H), db1->typed_data(),
-      dw2->typed_data(), db2->typed_data(), loss->typed_data());
-  return LastCudaError("iql_finish");
+  return LaunchFinish(stream, *part, S, G, H, *db1, *dw2, *db2, *loss);
 }
 #endif  // JAXFOX_SM90A_BUILD
 

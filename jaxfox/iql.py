@@ -158,11 +158,15 @@ def _head_fwd(cfg, pre, b1, w2, b2, target):
     return loss, (db1, dw2, db2, dpre, dy, (pre, b1, w2, b2, target))
 
 
+def _scaled_head_grads(gl, db1, dw2, db2, dy):
+    """The kernels' gradients of b1, w2, b2 and target scaled by each network's loss cotangent gl [G] (both paths)."""
+    return gl[:, None] * db1, gl[:, None] * dw2, gl * db2, jnp.sum(gl[:, None] * dy, axis=0)
+
+
 def _head_bwd(cfg, res, gl):
     db1, dw2, db2, dpre, dy, primals = res
     H = db1.shape[1]
-    cts = (dpre * jnp.repeat(gl, H)[None, :], gl[:, None] * db1, gl[:, None] * dw2, gl * db2,
-           jnp.sum(gl[:, None] * dy, axis=0))
+    cts = (dpre * jnp.repeat(gl, H)[None, :], *_scaled_head_grads(gl, db1, dw2, db2, dy))
     return psum_to_match(cts, primals)  # inside shard_map: the replicated params' per-device partials summed
 
 
@@ -210,7 +214,7 @@ def _fused_bwd(cfg, res, gl):
     # the cotangent scales the small products, not dpre [B, G H]: dW1^T = gcol dpre^T obs, d obs = dpre (gcol W1^T)
     dw1t = gcol[:, None] * jax.lax.dot_general(dpre, obs, (((0,), (0,)), ((), ())))
     dobs = jnp.dot(dpre, gcol[:, None] * w1t)
-    cts = (dobs, dw1t, gl[:, None] * db1, gl[:, None] * dw2, gl * db2, jnp.sum(gl[:, None] * dy, axis=0))
+    cts = (dobs, dw1t, *_scaled_head_grads(gl, db1, dw2, db2, dy))
     return psum_to_match(cts, primals)  # inside shard_map: the replicated params' per-device partials summed
 
 
