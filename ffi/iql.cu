@@ -157,9 +157,8 @@ __global__ void __launch_bounds__(32 * kSumRows)
 // ---- The fused path (sm_90a): the first product on wgmma, with the head in its epilogue -----------------------
 // jaxfox_iql_fused does what XLA's forward GEMM and jaxfox_iql_head do together, without pre ever reaching device
 // memory: CTA (x, g) computes the 128-row tile x of network g's pre-activations, obs[rows] W1_g (128 x H, K = D),
-// on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T stream through 3 stages of 32-float chunks of K in
-// 128-byte swizzled rows: obs by cp.async, W1_g transposed through registers from its [D, H] layout, so no XLA
-// transpose of the weights runs before the call), then applies the head to the accumulators in registers (a row's H
+// on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T stream through 3 cp.async stages of 32-float
+// chunks of K in 128-byte swizzled rows), then applies the head to the accumulators in registers (a row's H
 // columns are spread over the 4 lanes of a quad: the value is the quad's butterfly sum) and writes dpre, dy and the
 // block's partial row [db1 | dw2 | db2 | loss | 0 0] (each thread's sums over its two rows go to shared memory, one
 // row of sums per (warp, quad), and a thread per column adds the 64 of them in order), which iql_finish_kernel sums
@@ -176,7 +175,7 @@ __host__ __device__ constexpr int FusedSmemBytes(int ni) {
 
 template <int NI, int MinBlocks>  // H = 128 NI; MinBlocks: CTAs an SM (the register cap)
 __global__ void __launch_bounds__(kThreads, MinBlocks)
-    iql_fused_kernel(const float* __restrict__ obs, const float* __restrict__ w1, const float* __restrict__ target,
+    iql_fused_kernel(const float* __restrict__ obs, const float* __restrict__ w1t, const float* __restrict__ target,
                      const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
                      const float* __restrict__ taus, int64_t B, int D, float inv_b, float* __restrict__ dpre,
                      float* __restrict__ dy, float* __restrict__ part) {
@@ -196,60 +195,31 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
     w2s[c] = w2[static_cast<int64_t>(g) * H + c];
   }
   const int nk = (D + 31) / 32;
-  // A, chunk kc of K into stage st by cp.async: rows r (obs row row0 + r); thread tid copies the 16-byte chunk
-  // c = tid % 8 of rows tid / 8 + 32 i (the same swizzled chunk position in each of them)
+  // chunk kc of K into stage st: A rows r (obs row row0 + r), B rows n (W1^T row g H + n); thread tid copies the
+  // 16-byte chunk c = tid % 8 of rows tid / 8 + 32 i (the same swizzled chunk position in each of them)
   const int cq = tid & 7, rq = tid >> 3;
   const uint32_t sw = rq * kChunkBytes + ((cq ^ (rq & 7)) << 4);
   const int64_t a_rows = B - row0 - rq;  // rows rq + 32 i < a_rows exist
   const float* a_src = obs + (row0 + rq) * static_cast<int64_t>(D) + 4 * cq;
+  const float* b_src = w1t + (static_cast<int64_t>(g) * H + rq) * D + 4 * cq;
   const int64_t step = 32 * static_cast<int64_t>(D);
-  auto load_a = [&](int kc, int st) {
+  auto load = [&](int kc, int st) {
     unsigned char* sa = smem + st * FusedStageBytes(NI) + sw;
+    unsigned char* sb = sa + kFusedRows * kChunkBytes;
     const bool k_ok = 32 * kc + 4 * cq < D;
 #pragma unroll
     for (int i = 0; i < kFusedRows / 32; ++i) {
       const bool ok = k_ok && 32 * i < a_rows;
       CpAsync16(reinterpret_cast<float*>(sa + i * 32 * kChunkBytes), ok ? a_src + i * step + 32 * kc : obs, ok);
     }
-  };
-  // B = W1_g^T (K-major, as wgmma's TF32 operands must be), transposed on the way from W1_g [D, H] (rows of H):
-  // lane l holds k = 32 kc + l and columns 8 (warp + 8 i) .. + 7 (two 16-byte loads: whole 32-byte sectors), and
-  // writes them into rows n of the stage, where the lanes of a warp store one row's 32 k (distinct banks); staged
-  // in registers one chunk ahead (loaded an iteration before they are stored)
-  constexpr int kBVec = H / 64;  // 8-column groups a thread holds of a chunk
-  const int warp = tid >> 5, lane = tid & 31;
-  const float* b_src = w1 + (static_cast<int64_t>(g) * D + lane) * H + 8 * warp;
-  float4 bst[kBVec][2];
-  auto load_b = [&](int kc) {
-    const bool ok = 32 * kc + lane < D;
-    const float* src = b_src + static_cast<int64_t>(32 * kc) * H;
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int i = 0; i < kBVec; ++i) {
-      bst[i][0] = ok ? Ld4(src + 64 * i) : zero;
-      bst[i][1] = ok ? Ld4(src + 64 * i + 4) : zero;
+    for (int i = 0; i < H / 32; ++i) {
+      CpAsync16(reinterpret_cast<float*>(sb + i * 32 * kChunkBytes), k_ok ? b_src + i * step + 32 * kc : w1t, k_ok);
     }
   };
-  auto store_b = [&](int st) {
-    // row n = 8 (warp + 8 i) + j of the stage's B rows; k = lane at byte ((lane / 4) ^ (n % 8)) * 16 + (lane % 4) * 4
-    unsigned char* sb = smem + st * FusedStageBytes(NI) + kFusedRows * kChunkBytes + 8 * warp * kChunkBytes;
-#pragma unroll
-    for (int i = 0; i < kBVec; ++i) {
-      const float v[8] = {bst[i][0].x, bst[i][0].y, bst[i][0].z, bst[i][0].w,
-                          bst[i][1].x, bst[i][1].y, bst[i][1].z, bst[i][1].w};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        *reinterpret_cast<float*>(sb + (64 * i + j) * kChunkBytes + ((((lane >> 2) ^ j) << 4) | ((lane & 3) << 2))) =
-            v[j];
-      }
-    }
-  };
-  load_b(0);
-  store_b(0);
-  if (nk > 1) load_b(1);
 #pragma unroll
   for (int s = 0; s < kFusedStages - 1; ++s) {
-    if (s < nk) load_a(s, s);
+    if (s < nk) load(s, s);
     CpAsyncCommit();
   }
   const int wg = tid >> 7;  // warpgroup: rows 64 wg .. 64 wg + 63 of the tile
@@ -261,8 +231,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
   for (int kc = 0; kc < nk; ++kc) {
     CpAsyncWaitGroup<kFusedStages - 2>();  // this thread's copies of chunk kc have landed
     FenceProxyAsyncShared();
-    __syncthreads();  // everyone's copies and stores of chunk kc; everyone's wgmma of chunk kc - 1 done (waited below)
-    if (kc + kFusedStages - 1 < nk) load_a(kc + kFusedStages - 1, (kc + kFusedStages - 1) % kFusedStages);
+    __syncthreads();  // everyone's copies of chunk kc; everyone's wgmma of chunk kc - 1 done (waited below)
+    if (kc + kFusedStages - 1 < nk) load(kc + kFusedStages - 1, (kc + kFusedStages - 1) % kFusedStages);
     CpAsyncCommit();
     const int st = kc % kFusedStages;
     const uint32_t sa = base + st * FusedStageBytes(NI) + wg * 64 * kChunkBytes;
@@ -279,10 +249,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
       }
     }
     WgmmaCommit();
-    // while the tensor cores run: chunk kc + 1's B into its stage (last read by chunk kc - 2's wgmma, waited for),
-    // and chunk kc + 2's B into the registers
-    if (kc + 1 < nk) store_b((kc + 1) % kFusedStages);
-    if (kc + 2 < nk) load_b(kc + 2);
     WgmmaWaitAll();
 #pragma unroll
     for (int i = 0; i < NI; ++i) WgmmaFenceOperand(acc[i]);
@@ -291,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
   __syncthreads();  // every stage is free: the reduction rows below reuse them
 
   // the head, on the accumulators: rows r0 = 64 wg + 16 w + l / 4 and r1 = r0 + 8; columns 128 i + 8 j + 2 t, + 1
-  const int t = lane & 3;
+  const int warp = tid >> 5, lane = tid & 31, t = lane & 3;
   const int64_t r0 = row0 + 64 * wg + 16 * (warp & 3) + (lane >> 2), r1 = r0 + 8;
   const bool ok0 = r0 < B, ok1 = r1 < B;
   const float tau = taus[g], b2g = b2[g];
@@ -459,10 +425,10 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
 
 #if defined(JAXFOX_SM90A_BUILD)
 // FFI target jaxfox_iql_fused (registered only by builds with sm_90a machine code; compute capability 9.0): (obs
-// [B, D], w1 [G, D, H] = the networks' stacked first-layer weights ([in, out]), target [B], b1 [G, H], w2 [G, H],
-// b2 [G], taus [G]) -> the results of jaxfox_iql_head for pre = obs [W1_1 | .. | W1_G], with S = ceil(B / 128) partial
+// [B, D], w1t [G H, D] = the networks' first-layer weights as rows [W1_1^T; ..; W1_G^T], target [B], b1 [G, H], w2
+// [G, H], b2 [G], taus [G]) -> the results of jaxfox_iql_head for pre = obs w1t^T, with S = ceil(B / 128) partial
 // rows. H is 128 or 256, D a multiple of 4. Two launches: the fused kernel and iql_finish_kernel.
-ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buffer<ffi::F32> w1,
+ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buffer<ffi::F32> w1t,
                         ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> b1, ffi::Buffer<ffi::F32> w2,
                         ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> taus, float inv_batch,
                         ffi::ResultBuffer<ffi::F32> db1, ffi::ResultBuffer<ffi::F32> dw2,
@@ -486,17 +452,17 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
   }
   if (B < 1 || B > 0x7fffffff - kFusedRows) return InvalidArgument("iql_fused: B must be in [1, 2^31 - 129]");
   const int64_t P = 2 * H + 4, S = CeilDiv(B, kFusedRows);
-  if (!HasShape(w1, {G, D, H})) return wrong("w1 must be [G, D, H]", w1);
+  if (!HasShape(w1t, {G * H, D})) return wrong("w1t must be [G H, D]", w1t);
   JAXFOX_RETURN_IF_ERROR(CheckIqlShapes("iql_fused", B, G, H, target, w2, b2, taus, *db1, *dw2, *db2, *loss, *dpre,
                                         *dy));
   if (!HasShape(*part, {S, G, P})) return wrong("partials workspace must be [ceil(B / 128), G, 2 H + 4]", *part);
-  if (!Aligned(obs.typed_data(), 16) || !Aligned(w1.typed_data(), 16)) {
-    return InvalidArgument("iql_fused: obs and w1 must be 16-byte aligned (XLA's buffers are)");
+  if (!Aligned(obs.typed_data(), 16) || !Aligned(w1t.typed_data(), 16)) {
+    return InvalidArgument("iql_fused: obs and w1t must be 16-byte aligned (XLA's buffers are)");
   }
   const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(G));
   auto launch = [&](auto kernel, int smem) -> ffi::Error {
     JAXFOX_RETURN_IF_ERROR(PrepareSmem("iql_fused", kernel, smem));
-    kernel<<<grid, kThreads, smem, stream>>>(obs.typed_data(), w1.typed_data(), target.typed_data(),
+    kernel<<<grid, kThreads, smem, stream>>>(obs.typed_data(), w1t.typed_data(), target.typed_data(),
                                              b1.typed_data(), w2.typed_data(), b2.typed_data(), taus.typed_data(),
                                              B, static_cast<int>(D), inv_batch, dpre->typed_data(),
                                              dy->typed_data(), part->typed_data());
@@ -513,7 +479,7 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
 }  // namespace
 }  // namespace jaxfox
 
-// The operands after the leading ones (pre, or obs and w1), the attribute and the results, the same for both targets:
+// The operands after the leading ones (pre, or obs and w1t), the attribute and the results, the same for both targets:
 // target [B], b1 [G, H], w2 [G, H], b2 [G], taus [G]; inv_batch; db1 [G, H], dw2 [G, H], db2 [G], loss [G], dpre
 // [B, G H], dy [G, B] and the workspace of partial rows [S, G, P].
 namespace jaxfox {
@@ -550,6 +516,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfox_iql_fused, jaxfox::IqlFusedImpl,
                               jaxfox::IqlHeadBinding(xla::ffi::Ffi::Bind()
                                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                                          .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // obs [B, D]
-                                                         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()),  // w1 [G, D, H]
+                                                         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()),  // w1t [G H, D]
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif  // JAXFOX_SM90A_BUILD

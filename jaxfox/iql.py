@@ -19,9 +19,8 @@ backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.g
 
 On compute capability 9.0 (H100, H200) with H = 128 or 256 and D a multiple of 4, one kernel does the first
 product too (FFI target ``jaxfox_iql_fused``): it runs obs W1_g on the tensor cores (wgmma, TF32) for a tile of
-128 rows and applies the head to the products in registers, so pre [B, G H] is never written nor read back; it
-reads the weights as they are stored ([G, D, H]) and transposes them on their way into shared memory; its results
-and the backward are the head path's. (Its machine code is sm_90a: builds for other architectures do not
+128 rows and applies the head to the products in registers, so pre [B, G H] is never written nor read back; its
+results and the backward are the head path's. (Its machine code is sm_90a: builds for other architectures do not
 register the target, and then the head path runs.)
 
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
@@ -191,33 +190,31 @@ def _fused_supported(G, D, H, B):
             and not _precision_is_highest(None))
 
 
-def _fused_call(cfg, obs, w1, b1, w2, b2, target):
+def _fused_call(cfg, obs, w1t, b1, w2, b2, target):
     B = obs.shape[0]
     *res, _ = _ffi_call(_FUSED_TARGET, _results(B, *b1.shape, -(-B // _FUSED_ROWS)), vmap_method="sequential")(
-        obs, w1, target, b1, w2, b2, jnp.asarray(cfg.taus, jnp.float32), inv_batch=np.float32(1.0 / B))
+        obs, w1t, target, b1, w2, b2, jnp.asarray(cfg.taus, jnp.float32), inv_batch=np.float32(1.0 / B))
     return tuple(res)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(cfg, obs, w1, b1, w2, b2, target):
-    return _fused_fwd(cfg, obs, w1, b1, w2, b2, target)[0]
+def _fused(cfg, obs, w1t, b1, w2, b2, target):
+    return _fused_fwd(cfg, obs, w1t, b1, w2, b2, target)[0]
 
 
-def _fused_fwd(cfg, obs, w1, b1, w2, b2, target):
-    db1, dw2, db2, loss, dpre, dy = _fused_call(cfg, obs, w1, b1, w2, b2, target)
-    return loss, (db1, dw2, db2, dpre, dy, (obs, w1, b1, w2, b2, target))
+def _fused_fwd(cfg, obs, w1t, b1, w2, b2, target):
+    db1, dw2, db2, loss, dpre, dy = _fused_call(cfg, obs, w1t, b1, w2, b2, target)
+    return loss, (db1, dw2, db2, dpre, dy, (obs, w1t, b1, w2, b2, target))
 
 
 def _fused_bwd(cfg, res, gl):
     db1, dw2, db2, dpre, dy, primals = res
-    obs, w1 = primals[0], primals[1]
-    G, D, H = w1.shape
-    # the cotangent scales the small products, not dpre [B, G H]: dW1 = gl obs^T dpre (the product [D, G H], then
-    # its [G] blocks of H columns moved to the front), d obs = dpre (gl W1)^T
-    dw1 = jnp.swapaxes(jax.lax.dot_general(obs, dpre, (((0,), (0,)), ((), ()))).reshape(D, G, H) * gl[:, None], 0, 1)
-    w1s = jnp.swapaxes(gl[:, None, None] * w1, 0, 1).reshape(D, G * H)
-    dobs = jax.lax.dot_general(dpre, w1s, (((1,), (1,)), ((), ())))
-    cts = (dobs, dw1, *_scaled_head_grads(gl, db1, dw2, db2, dy))
+    obs, w1t = primals[0], primals[1]
+    gcol = jnp.repeat(gl, db1.shape[1])  # [G H]: each network's loss cotangent on its columns
+    # the cotangent scales the small products, not dpre [B, G H]: dW1^T = gcol dpre^T obs, d obs = dpre (gcol W1^T)
+    dw1t = gcol[:, None] * jax.lax.dot_general(dpre, obs, (((0,), (0,)), ((), ())))
+    dobs = jnp.dot(dpre, gcol[:, None] * w1t)
+    cts = (dobs, dw1t, *_scaled_head_grads(gl, db1, dw2, db2, dy))
     return psum_to_match(cts, primals)  # inside shard_map: the replicated params' per-device partials summed
 
 
@@ -226,12 +223,12 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def _loss_head(cfg, w1, b1, w2, b2, obs, target):
     G, D, H = w1.shape
-    if _fused_supported(G, D, H, obs.shape[0]):  # the kernel transposes W1 itself (its K-major wgmma operand)
-        return _fused(cfg, obs, w1, b1, w2.reshape(G, H), b2.reshape(G), target)
-    # the weights as [G H, D]: XLA's Hopper TF32 GEMM with both operands contracted along their last axis (13.2 us
-    # against 14.9 us for a [D, G H] operand on the H100 at B = 16384, D = G H = 256; BENCHMARKS.md, thirty-sixth
-    # session)
+    # the weights as [G H, D]: the fused kernel's K-major operand, and on the head path XLA's Hopper TF32 GEMM with
+    # both operands contracted along their last axis (13.2 us against 14.9 us for a [D, G H] operand on the H100 at
+    # B = 16384, D = G H = 256; BENCHMARKS.md, thirty-sixth session)
     w1t = jnp.swapaxes(w1, 1, 2).reshape(G * H, D)
+    if _fused_supported(G, D, H, obs.shape[0]):
+        return _fused(cfg, obs, w1t, b1, w2.reshape(G, H), b2.reshape(G), target)
     pre = jax.lax.dot_general(obs, w1t, (((1,), (1,)), ((), ())))
     return _head(cfg, pre, b1, w2.reshape(G, H), b2.reshape(G), target)
 
