@@ -42,6 +42,7 @@ for phase in "$@"; do
   if [ "$(left)" -le 20 ]; then note "SKIPPED $phase (budget spent)"; failed=$((failed + 1)); continue; fi
   name="${phase%%:*}"; arg="${phase#*:}"; [ "$arg" = "$phase" ] && arg=""
   echo "===== $phase" >>"$log"
+  l0=$(wc -l <"$log")
   t0=$(date +%s)
   case "$name" in
     build)
@@ -52,12 +53,12 @@ for phase in "$@"; do
       files=(); for m in ${arg//,/ }; do
         case "$m" in *::*) files+=("$repo/tests/test_gpu_${m%%::*}.py::${m#*::}") ;; *) files+=("$repo/tests/test_gpu_${m}.py") ;; esac
       done
-      (cd /tmp && timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$repo" "${files[@]}") >>"$log" 2>&1 ;;
+      (cd /tmp && timeout "$(left)" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --rootdir "$repo" "${files[@]}") >>"$log" 2>&1 ;;
     ptest)
       m="${arg%%:*}"; n="${arg#*:}"; [ "$n" = "$arg" ] && n=4
       pids=()
       for ((i = 0; i < n; i++)); do
-        (cd /tmp && JAXFOX_TEST_SHARD="$i/$n" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$(left)" python3 -m pytest -q -m gpu \
+        (cd /tmp && JAXFOX_TEST_SHARD="$i/$n" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$(left)" python3 -m pytest -q -rfE -m gpu \
           -p no:cacheprovider --rootdir "$repo" "$repo/tests/test_gpu_$m.py" >"/tmp/ptest_${m}_$i.log" 2>&1) &
         pids+=($!)
       done
@@ -112,5 +113,7 @@ for phase in "$@"; do
   rc=$?
   [ "$rc" = 0 ] || failed=$((failed + 1))
   note "$phase rc=$rc $(( $(date +%s) - t0 ))s; last line: $(tail -n 1 "$log")"
+  # the names of failed tests (pytest -rfE), so that they reach summary.log when visit.log does not come back
+  tail -n +"$((l0 + 1))" "$log" | grep -E "^(FAILED|ERROR) " | head -n 20 | cut -c1-300 >>"$summary"
 done
 exit "$failed"
