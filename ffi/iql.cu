@@ -159,7 +159,9 @@ __global__ void __launch_bounds__(32 * kSumRows)
 // memory: CTA (x, g) computes the 128-row tile x of network g's pre-activations, obs[rows] W1_g (128 x H, K = D),
 // on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T stream through 3 cp.async stages of 32-float
 // chunks of K in 128-byte swizzled rows), then applies the head to the accumulators in registers (a row's H
-// columns are spread over the 4 lanes of a quad: the value is the quad's butterfly sum) and writes dpre, dy and the
+// columns are spread over the 4 lanes of a quad: the value is the quad's butterfly sum) and writes dpre TRANSPOSED
+// (dpre^T [G H, B]: 17.7-17.9 us a launch against 19.1 us for dpre [B, G H] in the bench's IQL step on an H100,
+// BENCHMARKS.md forty-seventh session; it is also the K-major operand a tensor-core dW1 would need), dy and the
 // block's partial row [db1 | dw2 | db2 | loss | 0 0] (each thread's sums over its two rows go to shared memory, one
 // row of sums per (warp, quad), and a thread per column adds the 64 of them in order), which iql_finish_kernel sums
 // as on the head path. Bits depend on the shapes only. TF32: the tensor cores read the float32 inputs' TF32 bits
@@ -177,7 +179,7 @@ template <int NI, int MinBlocks>  // H = 128 NI; MinBlocks: CTAs an SM (the regi
 __global__ void __launch_bounds__(kThreads, MinBlocks)
     iql_fused_kernel(const float* __restrict__ obs, const float* __restrict__ w1t, const float* __restrict__ target,
                      const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
-                     const float* __restrict__ taus, int64_t B, int D, float inv_b, float* __restrict__ dpre,
+                     const float* __restrict__ taus, int64_t B, int D, float inv_b, float* __restrict__ dpret,
                      float* __restrict__ dy, float* __restrict__ part) {
 #if defined(JAXFOX_HAS_WGMMA)
   constexpr int H = 128 * NI;
@@ -189,7 +191,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
   float* w2s = b1s + H;
   const int g = blockIdx.y, G = gridDim.y, tid = threadIdx.x;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kFusedRows;
-  const int64_t ld = static_cast<int64_t>(G) * H;  // row stride of dpre
   for (int c = tid; c < H; c += kThreads) {
     b1s[c] = b1[static_cast<int64_t>(g) * H + c];
     w2s[c] = w2[static_cast<int64_t>(g) * H + c];
@@ -292,8 +293,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
   // in the stages (free now); the stride is 8 banks mod 32, so a warp's float2 stores hit distinct banks
   constexpr int kRedStride = 2 * H + 8;
   float* red = reinterpret_cast<float*>(smem) + (8 * warp + (lane >> 2)) * kRedStride;
-  float* d0 = dpre + r0 * ld + static_cast<int64_t>(g) * H;
-  float* d1 = dpre + r1 * ld + static_cast<int64_t>(g) * H;
+  // dpre^T [G H, B]: element (g H + c, r); a warp's store covers 4 columns of 8 consecutive rows (32-byte segments)
+  float* d0 = dpret + static_cast<int64_t>(g) * H * B + r0;
+  float* d1 = dpret + static_cast<int64_t>(g) * H * B + r1;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
 #pragma unroll
@@ -304,8 +306,14 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
       // rows past B add exact zeros (not 0 * w2 or 0 * h, which an infinite weight would make NaN)
       const float e00 = ok0 && a[0] > 0.f ? dv0 * ww.x : 0.f, e01 = ok0 && a[1] > 0.f ? dv0 * ww.y : 0.f;
       const float e10 = ok1 && a[2] > 0.f ? dv1 * ww.x : 0.f, e11 = ok1 && a[3] > 0.f ? dv1 * ww.y : 0.f;
-      if (ok0) *reinterpret_cast<float2*>(d0 + c) = make_float2(e00, e01);
-      if (ok1) *reinterpret_cast<float2*>(d1 + c) = make_float2(e10, e11);
+      if (ok0) {
+        d0[c * B] = e00;
+        d0[(c + 1) * B] = e01;
+      }
+      if (ok1) {
+        d1[c * B] = e10;
+        d1[(c + 1) * B] = e11;
+      }
       const float h00 = ok0 ? Relu(a[0]) : 0.f, h01 = ok0 ? Relu(a[1]) : 0.f;
       const float h10 = ok1 ? Relu(a[2]) : 0.f, h11 = ok1 ? Relu(a[3]) : 0.f;
       // this thread's two rows' sums: db1 of columns c, c + 1 and dw2 of columns c, c + 1
@@ -337,13 +345,13 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
 }
 #endif  // JAXFOX_SM90A_BUILD
 
-// The operand and result shapes that both IQL targets share (G networks of width H, B rows); `op` names the target.
+// The operand and result shapes that both IQL targets share (G networks of width H, B rows; not dpre, which the fused
+// target writes transposed); `op` names the target.
 ffi::Error CheckIqlShapes(const char* op, int64_t B, int64_t G, int64_t H, const ffi::Buffer<ffi::F32>& target,
                           const ffi::Buffer<ffi::F32>& w2, const ffi::Buffer<ffi::F32>& b2,
                           const ffi::Buffer<ffi::F32>& taus, const ffi::Buffer<ffi::F32>& db1,
                           const ffi::Buffer<ffi::F32>& dw2, const ffi::Buffer<ffi::F32>& db2,
-                          const ffi::Buffer<ffi::F32>& loss, const ffi::Buffer<ffi::F32>& dpre,
-                          const ffi::Buffer<ffi::F32>& dy) {
+                          const ffi::Buffer<ffi::F32>& loss, const ffi::Buffer<ffi::F32>& dy) {
   auto wrong = [op](const char* what, const ffi::Buffer<ffi::F32>& buf) {
     return InvalidArgument(std::string(op) + ": " + what + ", got " + DimsToString(buf.dimensions()));
   };
@@ -355,7 +363,6 @@ ffi::Error CheckIqlShapes(const char* op, int64_t B, int64_t G, int64_t H, const
   if (!HasShape(dw2, {G, H})) return wrong("dw2 must be [G, H]", dw2);
   if (!HasShape(db2, {G})) return wrong("db2 must be [G]", db2);
   if (!HasShape(loss, {G})) return wrong("loss must be [G]", loss);
-  if (!HasShape(dpre, {B, G * H})) return wrong("dpre must be [B, G H]", dpre);
   if (!HasShape(dy, {G, B})) return wrong("dy must be [G, B]", dy);
   return ffi::Error::Success();
 }
@@ -395,8 +402,8 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
   if (B < 1 || B > 0x7fffffff - kHeadTile) return InvalidArgument("iql_head: B must be in [1, 2^31 - 33]");
   const int64_t P = 2 * H + 4;
   if (!HasShape(pre, {B, G * H})) return wrong("pre must be [B, G H]", pre);
-  JAXFOX_RETURN_IF_ERROR(
-      CheckIqlShapes("iql_head", B, G, H, target, w2, b2, taus, *db1, *dw2, *db2, *loss, *dpre, *dy));
+  if (!HasShape(*dpre, {B, G * H})) return wrong("dpre must be [B, G H]", *dpre);
+  JAXFOX_RETURN_IF_ERROR(CheckIqlShapes("iql_head", B, G, H, target, w2, b2, taus, *db1, *dw2, *db2, *loss, *dy));
   const int64_t tiles = CeilDiv(B, kHeadTile);
   if (part->dimensions().size() != 3 || !HasShape(*part, {part->dimensions()[0], G, P})) {
     return wrong("partials workspace must be [S, G, 2 H + 4]", *part);
@@ -426,8 +433,8 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
 #if defined(JAXFOX_SM90A_BUILD)
 // FFI target jaxfox_iql_fused (registered only by builds with sm_90a machine code; compute capability 9.0): (obs
 // [B, D], w1t [G H, D] = the networks' first-layer weights as rows [W1_1^T; ..; W1_G^T], target [B], b1 [G, H], w2
-// [G, H], b2 [G], taus [G]) -> the results of jaxfox_iql_head for pre = obs w1t^T, with S = ceil(B / 128) partial
-// rows. H is 128 or 256, D a multiple of 4. Two launches: the fused kernel and iql_finish_kernel.
+// [G, H], b2 [G], taus [G]) -> the results of jaxfox_iql_head for pre = obs w1t^T, except dpre, which comes
+// transposed (dpre^T [G H, B]), with S = ceil(B / 128) partial rows. H is 128 or 256, D a multiple of 4. Two launches: the fused kernel and iql_finish_kernel.
 ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buffer<ffi::F32> w1t,
                         ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> b1, ffi::Buffer<ffi::F32> w2,
                         ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> taus, float inv_batch,
@@ -453,8 +460,8 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
   if (B < 1 || B > 0x7fffffff - kFusedRows) return InvalidArgument("iql_fused: B must be in [1, 2^31 - 129]");
   const int64_t P = 2 * H + 4, S = CeilDiv(B, kFusedRows);
   if (!HasShape(w1t, {G * H, D})) return wrong("w1t must be [G H, D]", w1t);
-  JAXFOX_RETURN_IF_ERROR(CheckIqlShapes("iql_fused", B, G, H, target, w2, b2, taus, *db1, *dw2, *db2, *loss, *dpre,
-                                        *dy));
+  if (!HasShape(*dpre, {G * H, B})) return wrong("dpre^T must be [G H, B]", *dpre);
+  JAXFOX_RETURN_IF_ERROR(CheckIqlShapes("iql_fused", B, G, H, target, w2, b2, taus, *db1, *dw2, *db2, *loss, *dy));
   if (!HasShape(*part, {S, G, P})) return wrong("partials workspace must be [ceil(B / 128), G, 2 H + 4]", *part);
   if (!Aligned(obs.typed_data(), 16) || !Aligned(w1t.typed_data(), 16)) {
     return InvalidArgument("iql_fused: obs and w1t must be 16-byte aligned (XLA's buffers are)");
@@ -481,7 +488,7 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
 
 // The operands after the leading ones (pre, or obs and w1t), the attribute and the results, the same for both targets:
 // target [B], b1 [G, H], w2 [G, H], b2 [G], taus [G]; inv_batch; db1 [G, H], dw2 [G, H], db2 [G], loss [G], dpre
-// [B, G H], dy [G, B] and the workspace of partial rows [S, G, P].
+// [B, G H] (the fused target: dpre^T [G H, B]), dy [G, B] and the workspace of partial rows [S, G, P].
 namespace jaxfox {
 namespace {
 template <typename Binding>

@@ -20,7 +20,8 @@ backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.g
 On compute capability 9.0 (H100, H200) with H = 128 or 256 and D a multiple of 4, one kernel does the first
 product too (FFI target ``jaxfox_iql_fused``): it runs obs W1_g on the tensor cores (wgmma, TF32) for a tile of
 128 rows and applies the head to the products in registers, so pre [B, G H] is never written nor read back; its
-results and the backward are the head path's. (Its machine code is sm_90a: builds for other architectures do not
+results and the backward are the head path's (it writes dpre transposed, [G H, B], which XLA's products of the
+backward read as they are). (Its machine code is sm_90a: builds for other architectures do not
 register the target, and then the head path runs.)
 
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
@@ -32,7 +33,8 @@ The kernel path runs by default for hidden widths H >= 128 (chosen when a functi
 opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --ops iql_pair``, B = 16384,
 2 x (256 -> 128 -> 1); BENCHMARKS.md, forty-fifth session) the fused path takes 55.16 us a step against XLA's
 67.65 us (1.23x), and the head path 61.06 us (1.10x) in the same command; the fused kernel is 19.0 us of it, XLA's
-weight-gradient GEMM 17.3 us. The head path, at D = 256 with other shapes (thirty-sixth session), is 1.03x,
+weight-gradient GEMM 17.3 us. With dpre written transposed (forty-seventh session, one H100): 54.70 and 55.09 us
+(1.19x, 1.17x) against 57.07 and 56.77 us (1.15x, 1.13x) for dpre [B, G H], the fused kernel 17.7-17.9 us. The head path, at D = 256 with other shapes (thirty-sixth session), is 1.03x,
 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024, 4096, 8192 and 16384. Below H = 128 a
 warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32, and
 0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple of 4 up to 512, G <= 65535 networks and
@@ -128,14 +130,14 @@ def _head_splits(B, G):
     return min(-(-B // _HEAD_TILE), max(1, _HEAD_CTAS // G))
 
 
-def _results(B, G, H, S):
-    """The results of both FFI targets (jaxfox_iql_head, jaxfox_iql_fused), all float32."""
+def _results(B, G, H, S, dpre_transposed=False):
+    """The results of both FFI targets (jaxfox_iql_head, jaxfox_iql_fused: dpre transposed), all float32."""
     f32 = jnp.float32
     return (jax.ShapeDtypeStruct((G, H), f32),                                  # db1
             jax.ShapeDtypeStruct((G, H), f32),                                  # dw2
             jax.ShapeDtypeStruct((G,), f32),                                    # db2
             jax.ShapeDtypeStruct((G,), f32),                                    # loss
-            jax.ShapeDtypeStruct((B, G * H), f32),                              # dpre
+            jax.ShapeDtypeStruct((G * H, B) if dpre_transposed else (B, G * H), f32),  # dpre (or dpre^T)
             jax.ShapeDtypeStruct((G, B), f32),                                  # dy
             jax.ShapeDtypeStruct((S, G, 2 * H + 4), f32))                       # workspace: S partial rows a network
 
@@ -175,7 +177,8 @@ _head.defvjp(_head_fwd, _head_bwd)
 
 # The fused path (compute capability 9.0, H = 128 or 256): one FFI call (ffi/iql.cu jaxfox_iql_fused) runs the first
 # product on the tensor cores (wgmma) with the head in its epilogue, so pre never reaches device memory; its results
-# are jaxfox_iql_head's. The backward is XLA's products of dpre, as on the head path.
+# are jaxfox_iql_head's, except dpre, which it writes transposed (dpre^T [G H, B]: a faster store, BENCHMARKS.md,
+# forty-seventh session). The backward is XLA's products of dpre^T.
 _FUSED_TARGET = "jaxfox_iql_fused"
 _FUSED_ROWS = 128            # ffi/iql.cu kFusedRows: rows of a CTA's tile (one partial row per tile and network)
 
@@ -192,7 +195,8 @@ def _fused_supported(G, D, H, B):
 
 def _fused_call(cfg, obs, w1t, b1, w2, b2, target):
     B = obs.shape[0]
-    *res, _ = _ffi_call(_FUSED_TARGET, _results(B, *b1.shape, -(-B // _FUSED_ROWS)), vmap_method="sequential")(
+    *res, _ = _ffi_call(_FUSED_TARGET, _results(B, *b1.shape, -(-B // _FUSED_ROWS), dpre_transposed=True),
+                        vmap_method="sequential")(
         obs, w1t, target, b1, w2, b2, jnp.asarray(cfg.taus, jnp.float32), inv_batch=np.float32(1.0 / B))
     return tuple(res)
 
@@ -208,12 +212,12 @@ def _fused_fwd(cfg, obs, w1t, b1, w2, b2, target):
 
 
 def _fused_bwd(cfg, res, gl):
-    db1, dw2, db2, dpre, dy, primals = res
+    db1, dw2, db2, dpret, dy, primals = res
     obs, w1t = primals[0], primals[1]
     gcol = jnp.repeat(gl, db1.shape[1])  # [G H]: each network's loss cotangent on its columns
-    # the cotangent scales the small products, not dpre [B, G H]: dW1^T = gcol dpre^T obs, d obs = dpre (gcol W1^T)
-    dw1t = gcol[:, None] * jax.lax.dot_general(dpre, obs, (((0,), (0,)), ((), ())))
-    dobs = jnp.dot(dpre, gcol[:, None] * w1t)
+    # the cotangent scales the small products, not dpre: dW1^T = gcol dpre^T obs, d obs = dpre (gcol W1^T)
+    dw1t = gcol[:, None] * jnp.dot(dpret, obs)
+    dobs = jax.lax.dot_general(dpret, gcol[:, None] * w1t, (((0,), (0,)), ((), ())))
     cts = (dobs, dw1t, *_scaled_head_grads(gl, db1, dw2, db2, dy))
     return psum_to_match(cts, primals)  # inside shard_map: the replicated params' per-device partials summed
 

@@ -667,7 +667,8 @@ def test_kernel_path_taus_operand(kernels_on):
 def test_fused_path_lowering(kernels_on, monkeypatch, G, D, H, B, argnums):
     """Where the fused kernel applies (forced here: it needs a compute capability 9.0 device), ONE jaxfox_iql_fused
     call takes obs and the weights as [G H, D] (no forward dot_general, no jaxfox_iql_head), its partials have
-    ceil(B / 128) rows, and the backward is XLA's dW1 = dpre^T obs and d obs = dpre W1^T, each only when wanted."""
+    ceil(B / 128) rows, dpre comes transposed ([G H, B]), and the backward is XLA's dW1 = dpre^T obs and d obs =
+    dpre W1^T, each only when wanted."""
     monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: True)
     params, obs, target = typical_inputs(G, D, H, B)
     text = _cuda_text(_value_and_grad(taus_for(G), argnums), params, obs, target, cotangent(G))
@@ -677,15 +678,15 @@ def test_fused_path_lowering(kernels_on, monkeypatch, G, D, H, B, argnums):
     assert m, text
     assert m.group(2).split(", ") == [_t(B, D), _t(G * H, D), _t(B), _t(G, H), _t(G, H), _t(G), _t(G)]
     S = -(-B // 128)
-    assert m.group(3).split(", ") == [_t(G, H), _t(G, H), _t(G), _t(G), _t(B, G * H), _t(G, B),
+    assert m.group(3).split(", ") == [_t(G, H), _t(G, H), _t(G), _t(G), _t(G * H, B), _t(G, B),
                                       _t(S, G, 2 * H + 4)]
     assert abs(float(dict(re.findall(r"(\w+) = ([^,]+?)(?:,|$)", m.group(1)))["inv_batch"].split(":")[0])
                - 1.0 / B) <= 1e-7 / B
     want = []
     if 0 in argnums:
-        want.append(f"({_t(B, G * H)}, {_t(B, D)}) -> {_t(G * H, D)}")          # dW1 as [G H, D]: dpre^T obs
+        want.append(f"({_t(G * H, B)}, {_t(B, D)}) -> {_t(G * H, D)}")          # dW1 as [G H, D]: dpre^T obs
     if 1 in argnums:
-        want.append(f"({_t(B, G * H)}, {_t(G * H, D)}) -> {_t(B, D)}")          # d obs
+        want.append(f"({_t(G * H, B)}, {_t(G * H, D)}) -> {_t(B, D)}")          # d obs = (dpre^T)^T (gcol W1^T)
     assert sorted(_dot_types(text)) == sorted(want), _dot_types(text)
 
 
@@ -728,8 +729,10 @@ def _emulated_head_call(cfg, pre, b1, w2, b2, target):
 
 
 def _emulated_fused_call(cfg, obs, w1t, b1, w2, b2, target):
-    """jaxfox_iql_fused's results: jaxfox_iql_head's for pre = obs w1t^T."""
-    return _emulated_head_call(cfg, jnp.dot(obs, w1t.T, precision="highest"), b1, w2, b2, target)
+    """jaxfox_iql_fused's results: jaxfox_iql_head's for pre = obs w1t^T, with dpre transposed ([G H, B])."""
+    db1, dw2, db2, loss, dpre, dy = _emulated_head_call(cfg, jnp.dot(obs, w1t.T, precision="highest"), b1, w2, b2,
+                                                        target)
+    return db1, dw2, db2, loss, dpre.T, dy
 
 
 @pytest.mark.parametrize("path", ["head", "fused"])
