@@ -32,25 +32,29 @@ import jax
 import jaxfox
 
 
-def _kernel_times(trace_dir):
-    """{(kernel name, HLO op or None): [total us, count]} over the device planes of the newest .xplane.pb under
-    trace_dir; the HLO op is the event's ``hlo_op`` stat (the instruction that launched the kernel), when the
-    trace has it."""
+def kernel_events(trace_dir):
+    """The kernel events of the GPU stream lines (not the memcpy lines) of the newest .xplane.pb under trace_dir
+    (``jax.profiler.ProfileData`` events: name, start_ns, end_ns, duration_ns, stats). Also used by
+    tools/gpu_timeline.py."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
     if not files:
         raise RuntimeError(f"no .xplane.pb under {trace_dir}")
-    data = jax.profiler.ProfileData.from_file(files[-1])
-    out = collections.defaultdict(lambda: [0.0, 0])
-    for plane in data.planes:
+    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
-            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
-                continue
-            for ev in line.events:
-                rec = out[(ev.name, dict(ev.stats).get("hlo_op"))]
-                rec[0] += ev.duration_ns / 1e3
-                rec[1] += 1
+            if "stream" in line.name.lower() and "memcpy" not in line.name.lower():
+                yield from line.events
+
+
+def _kernel_times(trace_dir):
+    """{(kernel name, HLO op or None): [total us, count]} over :func:`kernel_events`; the HLO op is the event's
+    ``hlo_op`` stat (the instruction that launched the kernel), when the trace has it."""
+    out = collections.defaultdict(lambda: [0.0, 0])
+    for ev in kernel_events(trace_dir):
+        rec = out[(ev.name, dict(ev.stats).get("hlo_op"))]
+        rec[0] += ev.duration_ns / 1e3
+        rec[1] += 1
     return out
 
 

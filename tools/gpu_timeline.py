@@ -5,7 +5,8 @@
 Compiles the first variant of ``python -m jaxfox.bench``'s case on both paths exactly as the bench does (its
 in-graph loop of ``--trips`` op calls, inputs perturbed and donated: ``jaxfox.bench._compile``), times a few calls
 untraced, traces one call with ``jax.profiler`` and prints, per path: the loop's time per op call (untraced: with
-few trips it includes each call's own start-up, which the bench amortises over 20 ms calls; and traced), the device kernels' busy time per op call, and the kernels of ``--show`` op calls from the middle of the
+few trips it includes each call's own start-up, which the bench amortises over 20 ms calls; and traced), the
+device kernels' busy time per op call, and the kernels of ``--show`` op calls from the middle of the
 trace in launch order (start in us from the first kernel, duration, gap to the previous kernel's end; a negative gap
 is an overlap). Where :mod:`tools.gpu_profile` sums each kernel's time over a step, this shows the order, the idle
 gaps and the loop's own kernels (the one-element input updates, ``loop_dynamic_update_slice_fusion*``), which the
@@ -16,7 +17,6 @@ Its compiled programs' HLO goes to ``$OUT/hlo_<case>_<path>.txt`` when ``$OUT`` 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import tempfile
 
@@ -27,20 +27,12 @@ import jaxfox
 from jaxfox import bench
 from jaxfox.bench import cases  # noqa: F401  (fills the registry)
 
+from gpu_profile import kernel_events  # tools/ is sys.path[0] when this file runs as a script
+
 
 def _events(trace_dir):
-    """[(start ns, end ns, kernel name)] of the GPU stream lines of the newest .xplane.pb under trace_dir, sorted."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    if not files:
-        raise RuntimeError(f"no .xplane.pb under {trace_dir}")
-    evs = []
-    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" in line.name.lower() and "memcpy" not in line.name.lower():
-                evs.extend((ev.start_ns, ev.end_ns, ev.name) for ev in line.events)
-    return sorted(evs)
+    """[(start ns, end ns, kernel name)] of the GPU kernels in the trace under trace_dir, in start order."""
+    return sorted((ev.start_ns, ev.end_ns, ev.name) for ev in kernel_events(trace_dir))
 
 
 def main():
