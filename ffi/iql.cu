@@ -434,7 +434,8 @@ ffi::Error IqlHeadImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pre, ffi::Buff
 // FFI target jaxfox_iql_fused (registered only by builds with sm_90a machine code; compute capability 9.0): (obs
 // [B, D], w1t [G H, D] = the networks' first-layer weights as rows [W1_1^T; ..; W1_G^T], target [B], b1 [G, H], w2
 // [G, H], b2 [G], taus [G]) -> the results of jaxfox_iql_head for pre = obs w1t^T, except dpre, which comes
-// transposed (dpre^T [G H, B]), with S = ceil(B / 128) partial rows. H is 128 or 256, D a multiple of 4. Two launches: the fused kernel and iql_finish_kernel.
+// transposed (dpre^T [G H, B]), with S = ceil(B / 128) partial rows. H is 128 or 256, D a multiple of 4. Two
+// launches: the fused kernel and iql_finish_kernel.
 ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buffer<ffi::F32> w1t,
                         ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> b1, ffi::Buffer<ffi::F32> w2,
                         ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> taus, float inv_batch,
