@@ -156,8 +156,10 @@ __global__ void __launch_bounds__(32 * kSumRows)
 #if defined(JAXFOX_SM90A_BUILD)  // builds with sm_90a machine code (CMakeLists.txt): the fused kernel and its target
 // ---- The fused path (sm_90a): the first product on wgmma, with the head in its epilogue -----------------------
 // jaxfox_iql_fused does what XLA's forward GEMM and jaxfox_iql_head do together, without pre ever reaching device
-// memory: CTA (x, g) computes the 128-row tile x of network g's pre-activations, obs[rows] W1_g (128 x H, K = D),
-// on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T stream through 3 cp.async stages of 32-float
+// memory: CTA (x, y) computes the 128-row tile x of the pre-activations of its networks (one network g = y, or at
+// H = 128 with G even the two networks 2 y and 2 y + 1, so that obs is read once for both: the bench's IQL step
+// 50.0 us against 52.6-53.1 us, H100, BENCHMARKS.md forty-eighth session), obs[rows] [W1_g | ..] (128 x 128 NI,
+// K = D), on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T stream through 3 cp.async stages of 32-float
 // chunks of K in 128-byte swizzled rows), then applies the head to the accumulators in registers (a row's H
 // columns are spread over the 4 lanes of a quad: the value is the quad's butterfly sum) and writes dpre TRANSPOSED
 // (dpre^T [G H, B]: 17.7-17.9 us a launch against 19.1 us for dpre [B, G H] in the bench's IQL step on an H100,
@@ -172,37 +174,40 @@ constexpr int kChunkBytes = 128;    // one swizzled row of a stage: 32 floats of
 
 __host__ __device__ constexpr int FusedStageBytes(int ni) { return kFusedRows * kChunkBytes * (1 + ni); }
 __host__ __device__ constexpr int FusedSmemBytes(int ni) {
-  return 1024 + kFusedStages * FusedStageBytes(ni) + 2 * 128 * ni * 4;  // alignment slack, stages, b1 and w2 of g
+  return 1024 + kFusedStages * FusedStageBytes(ni) + 2 * 128 * ni * 4;  // alignment slack, stages, b1 and w2
 }
 
-template <int NI, int MinBlocks>  // H = 128 NI; MinBlocks: CTAs an SM (the register cap)
+// NI column tiles of 128 a CTA, NPC networks a CTA (H = 128 NI / NPC; CTA (x, y) takes networks NPC y .. NPC y +
+// NPC - 1, whose W1^T rows are adjacent), MinBlocks CTAs an SM (the register cap).
+template <int NI, int NPC, int MinBlocks>
 __global__ void __launch_bounds__(kThreads, MinBlocks)
     iql_fused_kernel(const float* __restrict__ obs, const float* __restrict__ w1t, const float* __restrict__ target,
                      const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
                      const float* __restrict__ taus, int64_t B, int D, float inv_b, float* __restrict__ dpret,
                      float* __restrict__ dy, float* __restrict__ part) {
 #if defined(JAXFOX_HAS_WGMMA)
-  constexpr int H = 128 * NI;
+  constexpr int H = 128 * NI / NPC, TPN = NI / NPC;  // TPN: column tiles a network
+  static_assert(NI % NPC == 0, "iql_fused_kernel: a network's columns are whole tiles of 128");
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
   float* b1s = reinterpret_cast<float*>(smem + kFusedStages * FusedStageBytes(NI));
-  float* w2s = b1s + H;
-  const int g = blockIdx.y, G = gridDim.y, tid = threadIdx.x;
+  float* w2s = b1s + 128 * NI;
+  const int g0 = NPC * blockIdx.y, G = NPC * gridDim.y, tid = threadIdx.x;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kFusedRows;
-  for (int c = tid; c < H; c += kThreads) {
-    b1s[c] = b1[static_cast<int64_t>(g) * H + c];
-    w2s[c] = w2[static_cast<int64_t>(g) * H + c];
+  for (int c = tid; c < 128 * NI; c += kThreads) {
+    b1s[c] = b1[static_cast<int64_t>(g0) * H + c];
+    w2s[c] = w2[static_cast<int64_t>(g0) * H + c];
   }
   const int nk = (D + 31) / 32;
-  // chunk kc of K into stage st: A rows r (obs row row0 + r), B rows n (W1^T row g H + n); thread tid copies the
+  // chunk kc of K into stage st: A rows r (obs row row0 + r), B rows n (W1^T row g0 H + n); thread tid copies the
   // 16-byte chunk c = tid % 8 of rows tid / 8 + 32 i (the same swizzled chunk position in each of them)
   const int cq = tid & 7, rq = tid >> 3;
   const uint32_t sw = rq * kChunkBytes + ((cq ^ (rq & 7)) << 4);
   const int64_t a_rows = B - row0 - rq;  // rows rq + 32 i < a_rows exist
   const float* a_src = obs + (row0 + rq) * static_cast<int64_t>(D) + 4 * cq;
-  const float* b_src = w1t + (static_cast<int64_t>(g) * H + rq) * D + 4 * cq;
+  const float* b_src = w1t + (static_cast<int64_t>(g0) * H + rq) * D + 4 * cq;
   const int64_t step = 32 * static_cast<int64_t>(D);
   auto load = [&](int kc, int st) {
     unsigned char* sa = smem + st * FusedStageBytes(NI) + sw;
@@ -214,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
       CpAsync16(reinterpret_cast<float*>(sa + i * 32 * kChunkBytes), ok ? a_src + i * step + 32 * kc : obs, ok);
     }
 #pragma unroll
-    for (int i = 0; i < H / 32; ++i) {
+    for (int i = 0; i < 4 * NI; ++i) {
       CpAsync16(reinterpret_cast<float*>(sb + i * 32 * kChunkBytes), k_ok ? b_src + i * step + 32 * kc : w1t, k_ok);
     }
   };
@@ -258,54 +263,69 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
   __syncthreads();  // every stage is free: the reduction rows below reuse them
 
   // the head, on the accumulators: rows r0 = 64 wg + 16 w + l / 4 and r1 = r0 + 8; columns 128 i + 8 j + 2 t, + 1
+  // of the CTA (network n = i / TPN of the CTA's, its column 128 (i % TPN) + 8 j + 2 t)
   const int warp = tid >> 5, lane = tid & 31, t = lane & 3;
   const int64_t r0 = row0 + 64 * wg + 16 * (warp & 3) + (lane >> 2), r1 = r0 + 8;
   const bool ok0 = r0 < B, ok1 = r1 < B;
-  const float tau = taus[g], b2g = b2[g];
   const float y0 = ok0 ? target[r0] : 0.f, y1 = ok1 ? target[r1] : 0.f;
-  float s0 = 0.f, s1 = 0.f;
+  float s0[NPC], s1[NPC];
+#pragma unroll
+  for (int n = 0; n < NPC; ++n) s0[n] = s1[n] = 0.f;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
+    const int n = i / TPN;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int c = 128 * i + 8 * j + 2 * t;
       const float2 bb = *reinterpret_cast<const float2*>(b1s + c), ww = *reinterpret_cast<const float2*>(w2s + c);
       float* a = &acc[i][4 * j];
       a[0] += bb.x; a[1] += bb.y; a[2] += bb.x; a[3] += bb.y;
-      s0 = fmaf(Relu(a[0]), ww.x, s0);
-      s0 = fmaf(Relu(a[1]), ww.y, s0);
-      s1 = fmaf(Relu(a[2]), ww.x, s1);
-      s1 = fmaf(Relu(a[3]), ww.y, s1);
+      s0[n] = fmaf(Relu(a[0]), ww.x, s0[n]);
+      s0[n] = fmaf(Relu(a[1]), ww.y, s0[n]);
+      s1[n] = fmaf(Relu(a[2]), ww.x, s1[n]);
+      s1[n] = fmaf(Relu(a[3]), ww.y, s1[n]);
     }
   }
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);  // the same bits in the 4 lanes of a quad
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-  const float u0 = y0 - (s0 + b2g), u1 = y1 - (s1 + b2g);
-  const float wt0 = u0 < 0.f ? 1.f - tau : tau, wt1 = u1 < 0.f ? 1.f - tau : tau;
-  const float dv0 = ok0 ? -2.f * wt0 * u0 * inv_b : 0.f, dv1 = ok1 ? -2.f * wt1 * u1 * inv_b : 0.f;
-  if (t == 0) {
-    if (ok0) dy[static_cast<int64_t>(g) * B + r0] = -dv0;
-    if (ok1) dy[static_cast<int64_t>(g) * B + r1] = -dv1;
+  float wt0[NPC], wt1[NPC], u0[NPC], u1[NPC], dv0[NPC], dv1[NPC];
+#pragma unroll
+  for (int n = 0; n < NPC; ++n) {
+    s0[n] += __shfl_xor_sync(0xffffffffu, s0[n], 1);
+    s1[n] += __shfl_xor_sync(0xffffffffu, s1[n], 1);
+    s0[n] += __shfl_xor_sync(0xffffffffu, s0[n], 2);  // the same bits in the 4 lanes of a quad
+    s1[n] += __shfl_xor_sync(0xffffffffu, s1[n], 2);
+    const float tau = taus[g0 + n], b2g = b2[g0 + n];
+    u0[n] = y0 - (s0[n] + b2g);
+    u1[n] = y1 - (s1[n] + b2g);
+    wt0[n] = u0[n] < 0.f ? 1.f - tau : tau;
+    wt1[n] = u1[n] < 0.f ? 1.f - tau : tau;
+    dv0[n] = ok0 ? -2.f * wt0[n] * u0[n] * inv_b : 0.f;
+    dv1[n] = ok1 ? -2.f * wt1[n] * u1[n] * inv_b : 0.f;
+    if (t == 0) {
+      if (ok0) dy[static_cast<int64_t>(g0 + n) * B + r0] = -dv0[n];
+      if (ok1) dy[static_cast<int64_t>(g0 + n) * B + r1] = -dv1[n];
+    }
   }
-  // the row pair's partial row: [db1 | dw2 | db2 | loss] of rows r0 and r1, kRedStride floats a (warp, quad),
-  // in the stages (free now); the stride is 8 banks mod 32, so a warp's float2 stores hit distinct banks
-  constexpr int kRedStride = 2 * H + 8;
+  // the row pair's partial rows: [db1 | dw2 | db2 | loss | 0 0] of rows r0 and r1 for each of the NPC networks
+  // (P floats each, adjacent), kRedStride floats a (warp, quad), in the stages (free now); the stride is 8 banks
+  // mod 32, so a warp's float2 stores hit distinct banks
+  constexpr int P = 2 * H + 4;
+  constexpr int kRedStride = NPC * P + ((8 - NPC * P) % 32 + 32) % 32;
+  static_assert(8 * kWarps * kRedStride * 4 <= kFusedStages * FusedStageBytes(NI), "iql_fused_kernel: reduction rows");
   float* red = reinterpret_cast<float*>(smem) + (8 * warp + (lane >> 2)) * kRedStride;
-  // dpre^T [G H, B]: element (g H + c, r); a warp's store covers 4 columns of 8 consecutive rows (32-byte segments)
-  float* d0 = dpret + static_cast<int64_t>(g) * H * B + r0;
-  float* d1 = dpret + static_cast<int64_t>(g) * H * B + r1;
+  // dpre^T [G H, B]: element (g0 H + c, r); a warp's store covers 4 columns of 8 consecutive rows (32-byte segments)
+  float* d0 = dpret + static_cast<int64_t>(g0) * H * B + r0;
+  float* d1 = dpret + static_cast<int64_t>(g0) * H * B + r1;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
+    const int n = i / TPN;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int c = 128 * i + 8 * j + 2 * t;
+      const int c = 128 * i + 8 * j + 2 * t, cr = c + n * (P - H);  // cr: its db1 in the reduction row
       const float2 ww = *reinterpret_cast<const float2*>(w2s + c);
       float* a = &acc[i][4 * j];
       // rows past B add exact zeros (not 0 * w2 or 0 * h, which an infinite weight would make NaN)
-      const float e00 = ok0 && a[0] > 0.f ? dv0 * ww.x : 0.f, e01 = ok0 && a[1] > 0.f ? dv0 * ww.y : 0.f;
-      const float e10 = ok1 && a[2] > 0.f ? dv1 * ww.x : 0.f, e11 = ok1 && a[3] > 0.f ? dv1 * ww.y : 0.f;
+      const float e00 = ok0 && a[0] > 0.f ? dv0[n] * ww.x : 0.f, e01 = ok0 && a[1] > 0.f ? dv0[n] * ww.y : 0.f;
+      const float e10 = ok1 && a[2] > 0.f ? dv1[n] * ww.x : 0.f, e11 = ok1 && a[3] > 0.f ? dv1[n] * ww.y : 0.f;
       if (ok0) {
         d0[c * B] = e00;
         d0[(c + 1) * B] = e01;
@@ -317,25 +337,30 @@ __global__ void __launch_bounds__(kThreads, MinBlocks)
       const float h00 = ok0 ? Relu(a[0]) : 0.f, h01 = ok0 ? Relu(a[1]) : 0.f;
       const float h10 = ok1 ? Relu(a[2]) : 0.f, h11 = ok1 ? Relu(a[3]) : 0.f;
       // this thread's two rows' sums: db1 of columns c, c + 1 and dw2 of columns c, c + 1
-      *reinterpret_cast<float2*>(red + c) = make_float2(e00 + e10, e01 + e11);
-      *reinterpret_cast<float2*>(red + H + c) = make_float2(fmaf(h00, dv0, h10 * dv1), fmaf(h01, dv0, h11 * dv1));
+      *reinterpret_cast<float2*>(red + cr) = make_float2(e00 + e10, e01 + e11);
+      *reinterpret_cast<float2*>(red + H + cr) =
+          make_float2(fmaf(h00, dv0[n], h10 * dv1[n]), fmaf(h01, dv0[n], h11 * dv1[n]));
     }
   }
   if (t == 0) {
-    red[2 * H] = dv0 + dv1;
-    red[2 * H + 1] = (ok0 ? wt0 * u0 * u0 : 0.f) + (ok1 ? wt1 * u1 * u1 : 0.f);
+#pragma unroll
+    for (int n = 0; n < NPC; ++n) {
+      red[n * P + 2 * H] = dv0[n] + dv1[n];
+      red[n * P + 2 * H + 1] = (ok0 ? wt0[n] * u0[n] * u0[n] : 0.f) + (ok1 ? wt1[n] * u1[n] * u1[n] : 0.f);
+    }
   }
   __syncthreads();
-  // column sums over the tile's 64 row pairs, in the fixed order warp 0 quad 0, warp 0 quad 1, ..
-  constexpr int P = 2 * H + 4;
-  float* out = part + (static_cast<int64_t>(blockIdx.x) * G + g) * P;
+  // column sums over the tile's 64 row pairs, in the fixed order warp 0 quad 0, warp 0 quad 1, ..; network n's
+  // row goes to part[x, g0 + n]
+  float* out = part + (static_cast<int64_t>(blockIdx.x) * G + g0) * P;
   const float* rows = reinterpret_cast<const float*>(smem);
-  for (int e = tid; e < P; e += kThreads) {
+  for (int e = tid; e < NPC * P; e += kThreads) {
+    const int el = e % P;
     float v = 0.f;
-    if (e < 2 * H + 2) {
+    if (el < 2 * H + 2) {
 #pragma unroll 8
       for (int q = 0; q < 8 * kWarps; ++q) v += rows[q * kRedStride + e];
-      if (e == 2 * H + 1) v *= inv_b;
+      if (el == 2 * H + 1) v *= inv_b;
     }
     out[e] = v;
   }
@@ -467,19 +492,26 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
   if (!Aligned(obs.typed_data(), 16) || !Aligned(w1t.typed_data(), 16)) {
     return InvalidArgument("iql_fused: obs and w1t must be 16-byte aligned (XLA's buffers are)");
   }
-  const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(G));
-  auto launch = [&](auto kernel, int smem) -> ffi::Error {
+  auto launch = [&](auto kernel, int smem, int64_t grid_y) -> ffi::Error {  // grid (S, G / networks a CTA)
     JAXFOX_RETURN_IF_ERROR(PrepareSmem("iql_fused", kernel, smem));
+    const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(grid_y));
     kernel<<<grid, kThreads, smem, stream>>>(obs.typed_data(), w1t.typed_data(), target.typed_data(),
                                              b1.typed_data(), w2.typed_data(), b2.typed_data(), taus.typed_data(),
                                              B, static_cast<int>(D), inv_batch, dpre->typed_data(),
                                              dy->typed_data(), part->typed_data());
     return LastCudaError("iql_fused");
   };
-  // H = 128: two CTAs an SM (128 registers a thread; 55.16 us a step of the bench's IQL pair on an H100 against
-  // 58.21 us with one CTA an SM and no register cap; BENCHMARKS.md, forty-fifth session)
-  JAXFOX_RETURN_IF_ERROR(H == 256 ? launch(iql_fused_kernel<2, 1>, FusedSmemBytes(2))
-                                  : launch(iql_fused_kernel<1, 2>, FusedSmemBytes(1)));
+  // H = 128 and G even: one CTA an SM, two networks a CTA (50.0 us a step of the bench's IQL pair on an H100
+  // against 52.6-53.1 us for one network a CTA, two CTAs an SM; BENCHMARKS.md, forty-eighth session); G odd: two
+  // CTAs an SM, one network each (128 registers a thread; against 58.21 us with one CTA an SM and no register cap,
+  // forty-fifth session)
+  if (H == 256) {
+    JAXFOX_RETURN_IF_ERROR(launch(iql_fused_kernel<2, 1, 1>, FusedSmemBytes(2), G));
+  } else if (G % 2 == 0) {  // two networks a CTA: obs read once for both
+    JAXFOX_RETURN_IF_ERROR(launch(iql_fused_kernel<2, 2, 1>, FusedSmemBytes(2), G / 2));
+  } else {
+    JAXFOX_RETURN_IF_ERROR(launch(iql_fused_kernel<1, 1, 2>, FusedSmemBytes(1), G));
+  }
   return LaunchFinish(stream, *part, S, G, H, *db1, *dw2, *db2, *loss);
 }
 #endif  // JAXFOX_SM90A_BUILD

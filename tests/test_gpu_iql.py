@@ -486,6 +486,7 @@ def test_exact_inputs_reach_every_mask_kind():
     (2, 256, 128, 16384, True),   # the aux trainers' shape: 128 tiles of 128 rows a network
     (1, 100, 256, 300, True),     # H = 256 (two 128-column products a k-step), D = 100: the last K chunk 4 of 32
     (3, 36, 128, 129, True),      # G = 3, D = 36 (2 chunks, the second 4 floats), 2 tiles, the last one 1 row
+    (4, 36, 128, 129, True),      # G = 4: two networks a CTA (networks 2 y, 2 y + 1), the second CTA row y = 1
     (2, 256, 64, 100, False),     # H = 64: head kernel
     (2, 48, 132, 300, False),     # H = 132: head kernel
     (2, 30, 128, 50, False),      # D = 30, not a multiple of 4: head kernel
