@@ -156,18 +156,17 @@ __global__ void __launch_bounds__(32 * kSumRows)
 #if defined(JAXFOX_SM90A_BUILD)  // builds with sm_90a machine code (CMakeLists.txt): the fused kernel and its target
 // ---- The fused path (sm_90a): the first product on wgmma, with the head in its epilogue -----------------------
 // jaxfox_iql_fused does what XLA's forward GEMM and jaxfox_iql_head do together, without pre ever reaching device
-// memory: CTA (x, y) computes the 128-row tile x of the pre-activations of its networks (one network g = y, or at
-// H = 128 with G even the two networks 2 y and 2 y + 1, so that obs is read once for both: the bench's IQL step
-// 50.0 us against 52.6-53.1 us, H100, BENCHMARKS.md forty-eighth session), obs[rows] [W1_g | ..] (128 x 128 NI,
-// K = D), on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T stream through 3 cp.async stages of 32-float
-// chunks of K in 128-byte swizzled rows), then applies the head to the accumulators in registers (a row's H
-// columns are spread over the 4 lanes of a quad: the value is the quad's butterfly sum) and writes dpre TRANSPOSED
-// (dpre^T [G H, B]: 17.7-17.9 us a launch against 19.1 us for dpre [B, G H] in the bench's IQL step on an H100,
-// BENCHMARKS.md forty-seventh session; it is also the K-major operand a tensor-core dW1 would need), dy and the
-// block's partial row [db1 | dw2 | db2 | loss | 0 0] (each thread's sums over its two rows go to shared memory, one
-// row of sums per (warp, quad), and a thread per column adds the 64 of them in order), which iql_finish_kernel sums
-// as on the head path. Bits depend on the shapes only. TF32: the tensor cores read the float32 inputs' TF32 bits
-// (truncation).
+// memory: CTA (x, y) computes the 128-row tile x of the pre-activations of its networks (one network g = y, or at H =
+// 128 with G even the two networks 2 y and 2 y + 1, so that obs is read once for both; IqlFusedImpl says which and
+// why), obs[rows] [W1_g | ..] (128 x 128 NI, K = D), on the tensor cores (two warpgroups of 64 rows; obs and W1_g^T
+// stream through 3 cp.async stages of 32-float chunks of K in 128-byte swizzled rows), then applies the head to the
+// accumulators in registers (a row's H columns are spread over the 4 lanes of a quad: the value is the quad's butterfly
+// sum) and writes dpre TRANSPOSED (dpre^T [G H, B]: 17.7-17.9 us a launch against 19.1 us for dpre [B, G H] in the
+// bench's IQL step on an H100, BENCHMARKS.md forty-seventh session; it is also the K-major operand a tensor-core dW1
+// would need), dy and the block's partial row [db1 | dw2 | db2 | loss | 0 0] (each thread's sums over its two rows go
+// to shared memory, one row of sums per (warp, quad), and a thread per column adds the 64 of them in order), which
+// iql_finish_kernel sums as on the head path. Bits depend on the shapes only. TF32: the tensor cores read the float32
+// inputs' TF32 bits (truncation).
 constexpr int kFusedRows = 128;     // rows of a CTA's tile (jaxfox/iql.py _FUSED_ROWS)
 constexpr int kFusedStages = 3;
 constexpr int kChunkBytes = 128;    // one swizzled row of a stage: 32 floats of K

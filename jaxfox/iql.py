@@ -30,20 +30,21 @@ TF32 by the tensor cores, float32 accumulation (under ``jax.default_matmul_preci
 runs, with XLA's float32 product); everything else in the kernels is float32.
 
 The kernel path runs by default for hidden widths H >= 128 (chosen when a function is traced); for smaller H it is
-opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --ops iql_pair``, B = 16384,
-2 x (256 -> 128 -> 1); BENCHMARKS.md, forty-fifth session) the fused path takes 55.16 us a step against XLA's
-67.65 us (1.23x), and the head path 61.06 us (1.10x) in the same command; the fused kernel is 19.0 us of it, XLA's
+opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --ops iql_pair``, B = 16384, 2 x (256
+-> 128 -> 1); BENCHMARKS.md, forty-fifth session) the fused path takes 55.16 us a step against XLA's 67.65 us
+(1.23x), and the head path 61.06 us (1.10x) in the same command; the fused kernel is 19.0 us of it, XLA's
 weight-gradient GEMM 17.3 us. With dpre written transposed (forty-seventh session, one H100): 54.70 and 55.09 us
-(1.19x, 1.17x) against 57.07 and 56.77 us (1.15x, 1.13x) for dpre [B, G H], the fused kernel 17.7-17.9 us. The
-head path, at D = 256 with other shapes (thirty-sixth session), is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128
-and B = 1024, 4096, 8192 and 16384. Below H = 128 a warp's lanes are partly idle (H / 4 of 32 hold columns), and
-it was 0.95-0.97x at H = 64, 1.13x at H = 32, and 0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple
-of 4 up to 512, G <= 65535 networks and 1 <= B < 2^31 - 32 rows on compute capability 8.0 and newer;
-other shapes and devices run the reference, which is the same math in pure JAX (``jax.vmap`` over the stacked
-networks: batched GEMMs). The kernel path is for one device: arguments split over Explicit mesh axes
-(``jax.make_mesh``) run the reference, which XLA partitions; inside ``jax.shard_map`` each device computes the
-losses of its own rows, and the gradients of parameters replicated over the mesh axes are summed over them.
-"""
+(1.19x, 1.17x) against 57.07 and 56.77 us (1.15x, 1.13x) for dpre [B, G H], the fused kernel 17.7-17.9 us. With two
+networks a CTA at H = 128 and G even (forty-eighth session, one H100, same build): 50.00 and 50.01 us (1.31x, 1.32x)
+against 52.61 and 53.13 us (1.24x, 1.23x) for one network a CTA. The head path, at D = 256 with other shapes
+(thirty-sixth session), is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024, 4096, 8192 and 16384. Below H
+= 128 a warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32,
+and 0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple of 4 up to 512, G <= 65535 networks and 1 <= B <
+2^31 - 32 rows on compute capability 8.0 and newer; other shapes and devices run the reference, which is the same
+math in pure JAX (``jax.vmap`` over the stacked networks: batched GEMMs). The kernel path is for one device:
+arguments split over Explicit mesh axes (``jax.make_mesh``) run the reference, which XLA partitions; inside
+``jax.shard_map`` each device computes the losses of its own rows, and the gradients of parameters replicated over
+the mesh axes are summed over them. """
 
 from __future__ import annotations
 
