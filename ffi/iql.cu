@@ -500,13 +500,16 @@ ffi::Error IqlFusedImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> obs, ffi::Buf
                                              dy->typed_data(), part->typed_data());
     return LastCudaError("iql_fused");
   };
-  // H = 128 and G even: one CTA an SM, two networks a CTA (50.0 us a step of the bench's IQL pair on an H100
-  // against 52.6-53.1 us for one network a CTA, two CTAs an SM; BENCHMARKS.md, forty-eighth session); G odd: two
-  // CTAs an SM, one network each (128 registers a thread; against 58.21 us with one CTA an SM and no register cap,
-  // forty-fifth session)
+  // H = 128 with G even and at least kPairMinCtas pair CTAs: one CTA an SM, two networks a CTA (50.0 us a step of
+  // the bench's IQL pair on an H100 against 52.6-53.1 us for one network a CTA, two CTAs an SM; BENCHMARKS.md,
+  // forty-eighth session). Otherwise two CTAs an SM, one network each (128 registers a thread; against 58.21 us with
+  // one CTA an SM and no register cap, forty-fifth session): with few tiles, twice the CTAs beat reading obs once
+  // (G = 2 on an H100: B = 8192, 64 pair CTAs, 38.3 us one network a CTA against 40.1 us; B = 12288, 96 pair CTAs,
+  // 50.1 against 44.8 us; forty-ninth session).
+  constexpr int64_t kPairMinCtas = 96;
   if (H == 256) {
     JAXFOX_RETURN_IF_ERROR(launch(iql_fused_kernel<2, 1, 1>, FusedSmemBytes(2), G));
-  } else if (G % 2 == 0) {  // two networks a CTA: obs read once for both
+  } else if (G % 2 == 0 && S * (G / 2) >= kPairMinCtas) {  // two networks a CTA: obs read once for both
     JAXFOX_RETURN_IF_ERROR(launch(iql_fused_kernel<2, 2, 1>, FusedSmemBytes(2), G / 2));
   } else {
     JAXFOX_RETURN_IF_ERROR(launch(iql_fused_kernel<1, 1, 2>, FusedSmemBytes(1), G));

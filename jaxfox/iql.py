@@ -36,8 +36,12 @@ opt-in (``JAXFOX_OPT_IN_KERNELS=iql``). On an H100 (``python -m jaxfox.bench --o
 weight-gradient GEMM 17.3 us. With dpre written transposed (forty-seventh session, one H100): 54.70 and 55.09 us
 (1.19x, 1.17x) against 57.07 and 56.77 us (1.15x, 1.13x) for dpre [B, G H], the fused kernel 17.7-17.9 us. With two
 networks a CTA at H = 128 and G even (forty-eighth session, one H100, same build): 50.00 and 50.01 us (1.31x, 1.32x)
-against 52.61 and 53.13 us (1.24x, 1.23x) for one network a CTA. The head path, at D = 256 with other shapes
-(thirty-sixth session), is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024, 4096, 8192 and 16384. Below H
+against 52.61 and 53.13 us (1.24x, 1.23x) for one network a CTA; 52.07 us (1.26x) in the forty-ninth session. Below
+4096 rows the head path runs by default (B = 2048: 27.65 us against the fused path's 30.06 us and XLA's 27.93 us), and
+two networks share a CTA only where that gives at least 96 CTAs (B = 8192, G = 2: one network a CTA 38.32 us, two
+40.09 us; B = 12288: 50.06 and 44.82 us; B = 65536: 177.03 and 143.78 us, 1.50x XLA); forty-ninth session, one H100.
+``JAXFOX_OPT_IN_KERNELS=iql`` takes the fused path at any B. The head path, at D = 256 with other shapes (thirty-sixth
+session), is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024, 4096, 8192 and 16384. Below H
 = 128 a warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32,
 and 0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple of 4 up to 512, G <= 65535 networks and 1 <= B <
 2^31 - 32 rows on compute capability 8.0 and newer; other shapes and devices run the reference, which is the same
@@ -182,6 +186,10 @@ _head.defvjp(_head_fwd, _head_bwd)
 # forty-seventh session). The backward is XLA's products of dpre^T.
 _FUSED_TARGET = "jaxfox_iql_fused"
 _FUSED_ROWS = 128            # ffi/iql.cu kFusedRows: rows of a CTA's tile (one partial row per tile and network)
+_FUSED_MIN_B = 4096          # the fused path by default from this batch on; below it the head path (G = 2, D = 256,
+                             # H = 128 on an H100: B = 2048 head 27.65 us, fused 30.06 us, XLA 27.93 us; B = 4096 head
+                             # 33.20, fused 33.09, XLA 34.13; B = 8192 head 44.70, fused 38.32; BENCHMARKS.md,
+                             # forty-ninth session); with JAXFOX_OPT_IN_KERNELS=iql the fused path at any B
 
 
 def _fused_supported(G, D, H, B):
@@ -192,6 +200,12 @@ def _fused_supported(G, D, H, B):
     return (H in (128, 256) and D % 4 == 0 and G <= 65535 and 1 <= B <= 2**31 - 129
             and cuda_compute_capability() == (9, 0) and has_target(_FUSED_TARGET)
             and not _precision_is_highest(None))
+
+
+def _fused_chosen(G, D, H, B):
+    """Whether the kernel path takes the fused kernel: where it is supported, from B = _FUSED_MIN_B rows on, or at
+    any B with ``JAXFOX_OPT_IN_KERNELS=iql``; otherwise the head path."""
+    return _fused_supported(G, D, H, B) and (B >= _FUSED_MIN_B or kernel_opted_in("iql"))
 
 
 def _fused_call(cfg, obs, w1t, b1, w2, b2, target):
@@ -232,7 +246,7 @@ def _loss_head(cfg, w1, b1, w2, b2, obs, target):
     # both operands contracted along their last axis (13.2 us against 14.9 us for a [D, G H] operand on the H100 at
     # B = 16384, D = G H = 256; BENCHMARKS.md, thirty-sixth session)
     w1t = jnp.swapaxes(w1, 1, 2).reshape(G * H, D)
-    if _fused_supported(G, D, H, obs.shape[0]):
+    if _fused_chosen(G, D, H, obs.shape[0]):
         return _fused(cfg, obs, w1t, b1, w2.reshape(G, H), b2.reshape(G), target)
     pre = jax.lax.dot_general(obs, w1t, (((1,), (1,)), ((), ())))
     return _head(cfg, pre, b1, w2.reshape(G, H), b2.reshape(G), target)
@@ -267,7 +281,8 @@ def iql_value_loss(params, obs, target, expectiles):
     Differentiable (reverse mode) in params, obs and target. On the kernel path the kernel gives dpre, d target
     (its per-row dv) and the gradients of b1, w2 and b2; XLA's GEMMs give dW1 = obs^T dpre and d obs; forward
     mode and higher derivatives only off the kernel path. The products are XLA's, except the first one on an
-    sm_90 GPU at H = 128 or 256, which the fused kernel computes in TF32 (module docstring).
+    sm_90 GPU at H = 128 or 256 and B >= 4096 (any B with ``JAXFOX_OPT_IN_KERNELS=iql``), which the fused kernel
+    computes in TF32 (module docstring).
 
     Source: Kostrikov, Nair & Levine 2021, "Offline Reinforcement Learning with Implicit Q-Learning", eq. (5)
     and ikostrikov/implicit_q_learning's ``expectile_loss`` (mean over the batch); OPS.md "Losses".

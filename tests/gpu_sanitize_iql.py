@@ -15,7 +15,10 @@ rows a column (its thread row 0 takes 5 of them, the others 4) over 2 x 260 colu
 takes 4 of its 32);
 (1, 100, 256, 300): on sm_90 the fused kernel at H = 256 (two 128-column products a k-step), D = 100 (its last
 32-float K chunk holds 4 floats, the rest zero-filled), 3 tiles of 128 rows, the last one 44;
-(3, 36, 128, 129): on sm_90 the fused kernel for G = 3, D = 36 (2 K chunks), 2 tiles, the last one 1 row.
+(3, 36, 128, 129): on sm_90 the fused kernel for G = 3, D = 36 (2 K chunks), 2 tiles, the last one 1 row;
+(4, 36, 128, 129): G even with 2 x 2 = 4 network-pair CTAs, fewer than IqlFusedImpl's 96: one network a CTA;
+(4, 36, 128, 6145): two networks a CTA (49 tiles x 2 pairs = 98 CTAs), the second pair in CTA row y = 1, the last
+tile 1 row.
 On sm_90 the cases of H = 128 (the first and the fourth too) run the fused kernel; the rest the head kernel.
 Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM and the head kernel, or the fused kernel; then
 XLA's weight-gradient GEMM;
@@ -91,7 +94,7 @@ def main() -> int:
     ok = True
     for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300),
                   (1, 32, 512, 70), (1, 100, 256, 300), (3, 36, 128, 129),
-                  (4, 36, 128, 129)):
+                  (4, 36, 128, 129), (4, 36, 128, 6145)):
         ok = case(*shape, seed=sum(shape)) and ok
     if not ok:
         print("FAILED")

@@ -486,7 +486,8 @@ def test_exact_inputs_reach_every_mask_kind():
     (2, 256, 128, 16384, True),   # the aux trainers' shape: 128 tiles of 128 rows a network
     (1, 100, 256, 300, True),     # H = 256 (two 128-column products a k-step), D = 100: the last K chunk 4 of 32
     (3, 36, 128, 129, True),      # G = 3, D = 36 (2 chunks, the second 4 floats), 2 tiles, the last one 1 row
-    (4, 36, 128, 129, True),      # G = 4: two networks a CTA (networks 2 y, 2 y + 1), the second CTA row y = 1
+    (4, 36, 128, 129, True),      # G = 4 with 4 network-pair CTAs (< 96, ffi/iql.cu IqlFusedImpl): one network a CTA
+    (4, 36, 128, 6145, True),     # G = 4, 98 pair CTAs: two networks a CTA (networks 2 y, 2 y + 1), CTA row y = 1 too
     (2, 256, 64, 100, False),     # H = 64: head kernel
     (2, 48, 132, 300, False),     # H = 132: head kernel
     (2, 30, 128, 50, False),      # D = 30, not a multiple of 4: head kernel
@@ -504,7 +505,8 @@ def test_fused_kernel_where_it_applies(G, D, H, B, fused):
 
 
 def test_two_networks_a_cta_give_the_bits_of_one():
-    """At H = 128 the fused kernel computes two networks a CTA when G is even (G = 4) and one when G is odd (G = 3):
+    """At H = 128 the fused kernel computes two networks a CTA when G is even and the grid has at least 96 network-pair
+    CTAs (G = 4, B = 6145: 49 tiles x 2 pairs), and one network a CTA when G is odd (G = 3):
     networks 0-2 of a G = 4 run must give the same bits as a G = 3 run of the same three networks in what the fused
     kernel and its finish kernel compute (each network's loss, db1, dw2, db2: the same products a k-step, the same
     head sums and the same fixed-order partial sums). dW1 is XLA's GEMM over all G H rows of dpre^T, whose tiling may
@@ -513,7 +515,7 @@ def test_two_networks_a_cta_give_the_bits_of_one():
 
     if cuda_compute_capability() != (9, 0):
         pytest.skip("the fused kernel runs on compute capability 9.0 only")
-    params4, obs, target, c4 = _exact(4, 256, 128, 1000, seed=48)
+    params4, obs, target, c4 = _exact(4, 256, 128, 6145, seed=48)
     params3 = jax.tree.map(lambda x: x[:3], params4)
     out = {}
     for G, params, c in ((4, params4, c4), (3, params3, c4[:3])):
@@ -525,3 +527,19 @@ def test_two_networks_a_cta_give_the_bits_of_one():
     np.testing.assert_array_equal(np.asarray(l4)[:3], np.asarray(l3))
     for k in ("db1", "dw2", "db2"):
         np.testing.assert_array_equal(np.asarray(g4[k])[:3], np.asarray(g3[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("B,fused", [(2048, False), (4095, False), (4096, True)])
+def test_default_path_by_batch(monkeypatch, B, fused):
+    """Without JAXFOX_OPT_IN_KERNELS=iql (this module sets it), the aux trainers' shape takes the head path below
+    4096 rows and the fused kernel from 4096 on (jaxfox.iql._FUSED_MIN_B; on compute capability 9.0 only), and
+    both match the oracle."""
+    from jaxfox._ffi import cuda_compute_capability
+
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
+    want_fused = fused and cuda_compute_capability() == (9, 0)
+    args = _exact(2, 256, 128, B, seed=B)
+    compiled = jax.jit(_fwd_bwd(taus_for(2))).lower(*args).compile()
+    text = compiled.as_text()
+    assert ("jaxfox_iql_fused" in text) == want_fused and ("jaxfox_iql_head" in text) == (not want_fused)
+    _assert_close(jax.device_get(compiled(*args)), _oracle(*args[:3], taus_for(2), args[3]), TOL, f"B = {B}")

@@ -670,6 +670,7 @@ def test_fused_path_lowering(kernels_on, monkeypatch, G, D, H, B, argnums):
     ceil(B / 128) rows, dpre comes transposed ([G H, B]), and the backward is XLA's dW1 = dpre^T obs and d obs =
     dpre W1^T, each only when wanted."""
     monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: True)
+    monkeypatch.setattr(iql_mod, "_FUSED_MIN_B", 1)
     params, obs, target = typical_inputs(G, D, H, B)
     text = _cuda_text(_value_and_grad(taus_for(G), argnums), params, obs, target, cotangent(G))
     assert text.count("custom_call @jaxfox_iql_fused") == 1 and text.count("custom_call @jaxfox") == 1
@@ -711,6 +712,23 @@ def test_fused_path_needs_hopper_and_its_build(monkeypatch):
     assert not iql_mod._fused_supported(2, 256, 128, 100)
 
 
+def test_fused_path_by_default_from_4096_rows(monkeypatch):
+    """Where the fused kernel is supported, the kernel path takes it by default from B = 4096 rows on and the head
+    path below (at B = 2048 the head path was faster on an H100, BENCHMARKS.md forty-ninth session);
+    JAXFOX_OPT_IN_KERNELS=iql (or all) takes it at any B; nothing takes it where it is not supported."""
+    monkeypatch.setattr(iql_mod, "cuda_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(iql_mod, "has_target", lambda name: name == "jaxfox_iql_fused")
+    assert iql_mod._FUSED_MIN_B == 4096
+    for opt_in, small in [(None, False), ("", False), ("grn", False), ("iql", True), ("all", True)]:
+        if opt_in is None:
+            monkeypatch.delenv("JAXFOX_OPT_IN_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", opt_in)
+        for B, want in [(1, small), (2048, small), (4095, small), (4096, True), (16384, True)]:
+            assert iql_mod._fused_chosen(2, 256, 128, B) is want, (opt_in, B)
+        assert not iql_mod._fused_chosen(2, 256, 64, 16384) and not iql_mod._fused_chosen(2, 30, 128, 16384)
+
+
 def _emulated_head_call(cfg, pre, b1, w2, b2, target):
     """jaxfox_iql_head's results written in JAX from ffi/iql.cu's comment (float32 sums in XLA's order): db1, dw2,
     db2, loss, dpre and dy."""
@@ -747,6 +765,7 @@ def test_kernel_path_wiring_with_emulated_target(monkeypatch, G, D, H, B, path):
     monkeypatch.setattr(iql_mod, "_head_call", _emulated_head_call)
     monkeypatch.setattr(iql_mod, "_fused_call", _emulated_fused_call)
     monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: path == "fused")
+    monkeypatch.setattr(iql_mod, "_FUSED_MIN_B", 1)
     params, obs, target = typical_inputs(G, D, H, B, seed=3)
     taus, c = taus_for(G), cotangent(G)
 
@@ -782,6 +801,7 @@ def test_kernel_path_inside_shard_map(kernels_on, monkeypatch, path):
 
     G, D, H, B = 2, 6, 8, 16
     monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: path == "fused")
+    monkeypatch.setattr(iql_mod, "_FUSED_MIN_B", 1)
     target_name = TARGET if path == "head" else "jaxfox_iql_fused"
     taus, c = taus_for(G), cotangent(G)
     params, obs, target = typical_inputs(G, D, H, B, seed=5)
