@@ -17,12 +17,12 @@ dW1 = obs^T dpre (and d obs = dpre W1^T, when wanted) is XLA's GEMM again, by au
 The kernel computes the gradient in the forward call and keeps it as the ``custom_vjp`` residual, so the
 backward is a scaling by the cotangent of each loss; a forward alone (no ``jax.grad``) still pays for it.
 
-On compute capability 9.0 (H100, H200) with H = 128 or 256 and D a multiple of 4, one kernel does the first
-product too (FFI target ``jaxfox_iql_fused``): it runs obs W1_g on the tensor cores (wgmma, TF32) for a tile of
-128 rows and applies the head to the products in registers, so pre [B, G H] is never written nor read back; its
-results and the backward are the head path's (it writes dpre transposed, [G H, B], which XLA's products of the
-backward read as they are). (Its machine code is sm_90a: builds for other architectures do not
-register the target, and then the head path runs.)
+On compute capability 9.0 (H100, H200) with H = 128 or 256, D a multiple of 4 and B >= 4096 rows (any B with
+``JAXFOX_OPT_IN_KERNELS=iql``), one kernel does the first product too (FFI target ``jaxfox_iql_fused``): it runs obs
+W1_g on the tensor cores (wgmma, TF32) for a tile of 128 rows and applies the head to the products in registers, so
+pre [B, G H] is never written nor read back; its results and the backward are the head path's (it writes dpre
+transposed, [G H, B], which XLA's products of the backward read as they are). (Its machine code is sm_90a: builds
+for other architectures do not register the target, and then the head path runs.)
 
 Precision: float32 inputs; the two products are XLA's float32 GEMMs (TF32 on the GPU at the default matmul
 precision, as on the reference path), except the fused kernel's first product: TF32, its inputs truncated to
@@ -204,7 +204,8 @@ def _fused_supported(G, D, H, B):
 
 def _fused_chosen(G, D, H, B):
     """Whether the kernel path takes the fused kernel: where it is supported, from B = _FUSED_MIN_B rows on, or at
-    any B with ``JAXFOX_OPT_IN_KERNELS=iql``; otherwise the head path."""
+    any B with ``JAXFOX_OPT_IN_KERNELS=iql``; otherwise the head path. B is the rows of one call: inside
+    ``jax.shard_map`` a device's own rows. The threshold was measured at G = 2, D = 256, H = 128 only."""
     return _fused_supported(G, D, H, B) and (B >= _FUSED_MIN_B or kernel_opted_in("iql"))
 
 

@@ -19,7 +19,9 @@ takes 4 of its 32);
 (4, 36, 128, 129): G even with 2 x 2 = 4 network-pair CTAs, fewer than IqlFusedImpl's 96: one network a CTA;
 (4, 36, 128, 6145): two networks a CTA (49 tiles x 2 pairs = 98 CTAs), the second pair in CTA row y = 1, the last
 tile 1 row.
-On sm_90 the cases of H = 128 (the first and the fourth too) run the fused kernel; the rest the head kernel.
+On sm_90 the cases of H = 128 or 256 run the fused kernel (this script opts in to ``iql``, which keeps it below
+B = 4096); the rest the head kernel. The tile notes of (2, 256, 128, 37) and (2, 128, 128, 4097) describe the head
+kernel, which they run elsewhere.
 Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM and the head kernel, or the fused kernel; then
 XLA's weight-gradient GEMM;
 on an H100 the sanitizer ran such programs, the thirty-fifth session), blocks until ready, and checks that every

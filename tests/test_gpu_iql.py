@@ -59,7 +59,8 @@ if not jaxfox.kernels_available():
 
 pytestmark = pytest.mark.gpu
 _opt_in = module_opt_in("iql")  # the kernel path is opt-in below H = 128 (jaxfox.iql._DEFAULT_MIN_H), and most
-                                # shapes here are smaller; the command-buffer children inherit it
+                                # shapes here are smaller; the opt-in also keeps the fused kernel below B = 4096
+                                # (jaxfox.iql._FUSED_MIN_B); the command-buffer children inherit it
 
 TARGETS = ("jaxfox_iql_head", "jaxfox_iql_fused")  # the fused kernel (first product + head) on sm_90 for H = 128, 256
 
@@ -204,7 +205,10 @@ def test_exact_math_reference_matches_oracle(G, D, H, B):
 
 # ----------------------------------------------------------------------------------------------
 # (b) Typical init: the kernel is as accurate as XLA's TF32 path (both flip masks near the kinks).
-_TYPICAL_CASES = [(*s, True) for s in TYPICAL_SHAPES] + [(2, 256, 128, 10000, False), (1, 64, 64, 10001, False)]
+# (2, 256, 128, 12289): 97 tiles, so two networks a CTA (ffi/iql.cu kPairMinCtas = 96), the aux trainers' kernel; the
+# other fused shapes here have fewer tiles and run one network a CTA
+_TYPICAL_CASES = [(*s, True) for s in TYPICAL_SHAPES] + [(2, 256, 128, 10000, False), (1, 64, 64, 10001, False),
+                                                          (2, 256, 128, 12289, False)]
 
 
 @pytest.mark.parametrize("G,D,H,B,perturbed", _TYPICAL_CASES)
@@ -250,8 +254,8 @@ def test_grad_of_params_only_matches_oracle(regime):
 # ----------------------------------------------------------------------------------------------
 # (f) d obs (XLA, from the recomputed pre-activations) and d target (the kernel's dy) vs the oracle.
 @pytest.mark.parametrize("argnums", [(1,), (2,), (1, 2), (0, 2), (0, 1)], ids=str)
-@pytest.mark.parametrize("G,D,H,B", [(2, 256, 128, 4097), (3, 128, 64, 37), (1, 64, 64, 1)])
-def test_dobs_and_dtarget_match_oracle(G, D, H, B, argnums):
+@pytest.mark.parametrize("G,D,H,B", [(2, 256, 128, 4097), (2, 256, 128, 12289), (3, 128, 64, 37), (1, 64, 64, 1)])
+def test_dobs_and_dtarget_match_oracle(G, D, H, B, argnums):  # B = 12289: two networks a CTA (97 tiles)
     args = _exact(G, D, H, B, seed=11 + B)
     taus = taus_for(G)
     got = _run(_fwd_bwd(taus, argnums), *args)
@@ -480,8 +484,9 @@ def test_exact_inputs_reach_every_mask_kind():
 
 
 # (h) Which kernel: the fused one (ffi/iql.cu jaxfox_iql_fused: the first product on wgmma with the head in its
-# epilogue) on compute capability 9.0 for H = 128 or 256 and D a multiple of 4; the head kernel between XLA's
-# products elsewhere. Both against the oracle on exact-math inputs.
+# epilogue) on compute capability 9.0 for H = 128 or 256 and D a multiple of 4 (at any B under this module's opt-in;
+# by default from B = 4096, test_default_path_by_batch); the head kernel between XLA's products elsewhere. Both
+# against the oracle on exact-math inputs.
 @pytest.mark.parametrize("G,D,H,B,fused", [
     (2, 256, 128, 16384, True),   # the aux trainers' shape: 128 tiles of 128 rows a network
     (1, 100, 256, 300, True),     # H = 256 (two 128-column products a k-step), D = 100: the last K chunk 4 of 32

@@ -729,6 +729,17 @@ def test_fused_path_by_default_from_4096_rows(monkeypatch):
         assert not iql_mod._fused_chosen(2, 256, 64, 16384) and not iql_mod._fused_chosen(2, 30, 128, 16384)
 
 
+@pytest.mark.parametrize("B,target", [(100, "jaxfox_iql_head"), (4095, "jaxfox_iql_head"), (4096, "jaxfox_iql_fused")])
+def test_default_lowering_by_batch(kernels_on, monkeypatch, B, target):
+    """Lowered for CUDA with the fused kernel supported (forced) and nothing opted in: the head kernel below 4096
+    rows, the fused kernel from 4096 on, one jaxfox call either way."""
+    monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
+    monkeypatch.setattr(iql_mod, "_fused_supported", lambda *a: True)
+    params, obs, target_values = typical_inputs(2, 16, 128, B)
+    text = _cuda_text(_value_and_grad(taus_for(2), (0,)), params, obs, target_values, cotangent(2))
+    assert text.count(f"custom_call @{target}") == 1 and text.count("custom_call @jaxfox") == 1
+
+
 def _emulated_head_call(cfg, pre, b1, w2, b2, target):
     """jaxfox_iql_head's results written in JAX from ffi/iql.cu's comment (float32 sums in XLA's order): db1, dw2,
     db2, loss, dpre and dy."""
