@@ -37,13 +37,13 @@ weight-gradient GEMM 17.3 us. With dpre written transposed (forty-seventh sessio
 (1.19x, 1.17x) against 57.07 and 56.77 us (1.15x, 1.13x) for dpre [B, G H], the fused kernel 17.7-17.9 us. With two
 networks a CTA at H = 128 and G even (forty-eighth session, one H100, same build): 50.00 and 50.01 us (1.31x, 1.32x)
 against 52.61 and 53.13 us (1.24x, 1.23x) for one network a CTA; 52.07 us (1.26x) in the forty-ninth session. Below
-4096 rows the head path runs by default (B = 2048: 27.65 us against the fused path's 30.06 us and XLA's 27.93 us), and
-two networks share a CTA only where that gives at least 96 CTAs (B = 8192, G = 2: one network a CTA 38.32 us, two
-40.09 us; B = 12288: 50.06 and 44.82 us; B = 65536: 177.03 and 143.78 us, 1.50x XLA); forty-ninth session, one H100.
-``JAXFOX_OPT_IN_KERNELS=iql`` takes the fused path at any B. The head path, at D = 256 with other shapes (thirty-sixth
-session), is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024, 4096, 8192 and 16384. Below H
-= 128 a warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32,
-and 0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple of 4 up to 512, G <= 65535 networks and 1 <= B <
+4096 rows the head path runs by default (B = 2048: 27.65 us against the fused path's 30.06 us and XLA's 27.93 us),
+and two networks share a CTA only where that gives at least 96 CTAs (B = 8192, G = 2: one network a CTA 38.32 us,
+two 40.09 us; B = 12288: 50.06 and 44.82 us; B = 65536: 177.03 and 143.78 us, 1.50x XLA); forty-ninth session, one
+H100. ``JAXFOX_OPT_IN_KERNELS=iql`` takes the fused path at any B. The head path, at D = 256 with other shapes
+(thirty-sixth session), is 1.03x, 1.06x, 1.03x and 1.10x XLA at H = 128 and B = 1024, 4096, 8192 and 16384. At H <
+128 a warp's lanes are partly idle (H / 4 of 32 hold columns), and it was 0.95-0.97x at H = 64, 1.13x at H = 32, and
+0.88x at B = 256, D = 32, H = 16. It covers any D, H a multiple of 4 up to 512, G <= 65535 networks and 1 <= B <
 2^31 - 32 rows on compute capability 8.0 and newer; other shapes and devices run the reference, which is the same
 math in pure JAX (``jax.vmap`` over the stacked networks: batched GEMMs). The kernel path is for one device:
 arguments split over Explicit mesh axes (``jax.make_mesh``) run the reference, which XLA partitions; inside
@@ -186,10 +186,8 @@ _head.defvjp(_head_fwd, _head_bwd)
 # forty-seventh session). The backward is XLA's products of dpre^T.
 _FUSED_TARGET = "jaxfox_iql_fused"
 _FUSED_ROWS = 128            # ffi/iql.cu kFusedRows: rows of a CTA's tile (one partial row per tile and network)
-_FUSED_MIN_B = 4096          # the fused path by default from this batch on; below it the head path (G = 2, D = 256,
-                             # H = 128 on an H100: B = 2048 head 27.65 us, fused 30.06 us, XLA 27.93 us; B = 4096 head
-                             # 33.20, fused 33.09, XLA 34.13; B = 8192 head 44.70, fused 38.32; BENCHMARKS.md,
-                             # forty-ninth session); with JAXFOX_OPT_IN_KERNELS=iql the fused path at any B
+_FUSED_MIN_B = 4096          # the fused path by default from this batch on, the head path below (_fused_chosen; the
+                             # numbers: module docstring, BENCHMARKS.md forty-ninth session)
 
 
 def _fused_supported(G, D, H, B):
