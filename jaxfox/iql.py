@@ -274,23 +274,27 @@ def iql_value_loss(params, obs, target, expectiles):
         are compiled into the call).
 
     Returns:
-      loss [G] float32: each network's loss, the mean over the B rows (the mean of
-      ``jaxfox.expectile_loss(target[:, None] - V, expectiles)`` over the batch, per network).
+      loss [G] float32, in units of target squared (tau is dimensionless): each network's loss, the mean over
+      the B rows; with V [B, G] the networks' values, the mean over the batch of
+      ``jaxfox.expectile_loss(target[:, None] - V, jnp.asarray(taus))`` (taus: the G expectiles).
 
     Differentiable (reverse mode) in params, obs and target. On the kernel path the kernel gives dpre, d target
     (its per-row dv) and the gradients of b1, w2 and b2; XLA's GEMMs give dW1 = obs^T dpre and d obs; forward
     mode and higher derivatives only off the kernel path. The products are XLA's, except the first one on an
-    sm_90 GPU at H = 128 or 256 and B >= 4096 (any B with ``JAXFOX_OPT_IN_KERNELS=iql``), which the fused kernel
-    computes in TF32 (module docstring).
+    sm_90 GPU at H = 128 or 256, D a multiple of 4 and B >= 4096 (any B with ``JAXFOX_OPT_IN_KERNELS=iql``) and a
+    default matmul precision other than "highest" / float32, which the fused kernel computes in TF32 (module
+    docstring).
 
     Source: Kostrikov, Nair & Levine 2021, "Offline Reinforcement Learning with Implicit Q-Learning", eq. (5)
     and ikostrikov/implicit_q_learning's ``expectile_loss`` (mean over the batch); OPS.md "Losses".
 
     Raises:
-      TypeError: a parameter, obs or target is not a float32 array; expectiles is an array (it must be static).
+      TypeError: a parameter, obs or target is not a float32 array; expectiles is neither a Python number nor a
+        list or tuple of them (e.g. an array, which cannot be static, a string or None).
       ValueError: params is not of the form above, a shape does not match (the message names the argument, the
-        expected and the actual shape), expectiles has not G entries or one is outside (0, 1) (or rounds to 0 or 1
-        in float32), or B = 0.
+        expected and the actual shape), expectiles has not G entries or an entry is not a Python or NumPy float in
+        (0, 1) (also when rounded to float32; a bool or a JAX scalar inside the sequence is refused too), or
+        B = 0.
     """
     G, D, H = _check_params(params)
     check_array("obs", obs, (None, D))

@@ -18,10 +18,13 @@ takes 4 of its 32);
 (3, 36, 128, 129): on sm_90 the fused kernel for G = 3, D = 36 (2 K chunks), 2 tiles, the last one 1 row;
 (4, 36, 128, 129): G even with 2 x 2 = 4 network-pair CTAs, fewer than IqlFusedImpl's 96: one network a CTA;
 (4, 36, 128, 6145): two networks a CTA (49 tiles x 2 pairs = 98 CTAs), the second pair in CTA row y = 1, the last
-tile 1 row.
-On sm_90 the cases of H = 128 or 256 run the fused kernel (this script opts in to ``iql``, which keeps it below
-B = 4096); the rest the head kernel. The tile notes of (2, 256, 128, 37) and (2, 128, 128, 4097) describe the head
-kernel, which they run elsewhere.
+tile 1 row;
+(2, 64, 256, 300): on sm_90 the fused kernel at H = 256 for a second network (CTA row y = 1, columns g H on);
+(2, 254, 128, 4097): D not a multiple of 4, so the head kernel at H = 128 also on sm_90: 129 tiles over 129 blocks a
+network, and the finish kernel's 129 partial rows a column described for (2, 128, 128, 4097) above.
+On sm_90 the cases of H = 128 or 256 with D a multiple of 4 run the fused kernel (this script opts in to ``iql``,
+which keeps it below B = 4096); the rest the head kernel. The tile notes of (2, 256, 128, 37) and (2, 128, 128,
+4097) describe the head kernel, which runs them only on other devices; (2, 254, 128, 4097) keeps them on sm_90.
 Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM and the head kernel, or the fused kernel; then
 XLA's weight-gradient GEMM;
 on an H100 the sanitizer ran such programs, the thirty-fifth session), blocks until ready, and checks that every
@@ -96,7 +99,7 @@ def main() -> int:
     ok = True
     for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300),
                   (1, 32, 512, 70), (1, 100, 256, 300), (3, 36, 128, 129),
-                  (4, 36, 128, 129), (4, 36, 128, 6145)):
+                  (4, 36, 128, 129), (4, 36, 128, 6145), (2, 64, 256, 300), (2, 254, 128, 4097)):
         ok = case(*shape, seed=sum(shape)) and ok
     if not ok:
         print("FAILED")

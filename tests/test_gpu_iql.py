@@ -8,8 +8,10 @@ module's tests run with JAXFOX_OPT_IN_KERNELS=iql (conftest.module_opt_in). The 
 test_iql.py (``np_iql_loss`` / ``np_iql_grads``, written from the equations) and with the pure-JAX reference path
 on the same GPU (traced inside ``jaxfox.use_reference()``), both at the default matmul precision: the two
 products (obs W1 and obs^T dpre, and d obs) are XLA's float32 GEMMs on both paths, TF32 there (10-bit mantissa,
-float32 accumulation); the kernel between them is float32. (The numbers below were worked out for an earlier
-kernel that ran the products itself, rounding its operands to nearest TF32; the bounds hold for XLA's GEMMs.)
+float32 accumulation), except that on compute capability 9.0 the fused kernel (jaxfox_iql_fused, H = 128 or 256)
+computes obs W1 itself in TF32, its inputs truncated by the tensor cores; the rest of the kernels is float32. (The
+numbers below were worked out for an earlier kernel that ran the products itself, rounding its operands to nearest
+TF32; the bounds hold for XLA's GEMMs and for the fused kernel's truncation.)
 
 Why there are two sets of inputs (the scheme of test_gpu_iqn.py). TF32 rounding moves a first-layer
 pre-activation p by ~1e-3 of its scale, so a p close to 0 can land on the other side of its ReLU kink: the loss
@@ -73,16 +75,23 @@ def _n_calls(text):
     return sum(text.count(f"custom_call @{t}") for t in TARGETS)
 TOL = 5e-3                          # TF32 products without mask flips: norm-wise relative error per array
 XLA_FACTOR, XLA_SLACK = 3.0, 2e-3   # typical init: err(kernel) <= XLA_FACTOR err(reference) + XLA_SLACK
-SHAPES = [  # G, D, H, B; exact-math inputs (blocks a network: S = min(tiles of 32 rows, 264 // G), jaxfox/iql.py)
-    (2, 256, 128, 16384),  # the aux trainers' shape: 512 tiles over 132 blocks a network (132 partial rows)
-    (2, 256, 128, 37),     # 2 tiles, the last one partial (5 rows)
+# G, D, H, B; exact-math inputs. On compute capability 9.0 (the module opts in to the fused path at any B), H = 128
+# or 256 with D % 4 == 0 runs jaxfox_iql_fused: 128-row tiles, S = ceil(B / 128) partial rows a network, two networks
+# a CTA (<2, 2, 1>) where H = 128, G is even and S G / 2 >= 96, else one (<1, 1, 2>; H = 256: <2, 1, 1>). Every other
+# shape runs the head kernel (blocks a network: S = min(tiles of 32 rows, 264 // G), jaxfox/iql.py); the notes on
+# tiles and blocks below are the head kernel's where the fused one does not run them.
+SHAPES = [
+    (2, 256, 128, 16384),  # the aux trainers' shape: fused, two networks a CTA, 128 tiles (128 partial rows)
+    (2, 256, 128, 37),     # fused, one network a CTA: one tile, partial (37 rows)
     (1, 64, 64, 1),        # B = 1: one tile of one row; lanes 16..31 hold no column (H = 64)
     (3, 128, 64, 1000),    # G = 3 (32 blocks a network), partial last tile (1000 = 31 x 32 + 8)
-    (2, 128, 128, 4097),   # 129 tiles over 129 blocks, partial last tile (1 row)
+    (2, 128, 128, 4097),   # fused, one network a CTA: 33 tiles (S = 33 < 96), partial last tile (1 row)
     (1, 256, 64, 5000),    # G = 1: 157 blocks, 157 partial rows (the finish kernel's rows 0..28 take 5 each)
-    (2, 64, 128, 100),     # D = 64, H = 128
+    (2, 64, 128, 100),     # D = 64, H = 128 (fused, one network a CTA, one partial tile)
     (2, 48, 132, 300),     # H = 132: two column chunks a lane (the kernel's KH = 2), the second only on lane 0
     (1, 32, 512, 70),      # H = 512: four column chunks a lane (KH = 4), the widest
+    (2, 64, 256, 300),     # fused at H = 256 for a second network (CTA row y = 1); 3 tiles, the last 44 rows
+    (2, 254, 128, 4097),   # D % 4 != 0: the head kernel at H = 128 on sm_90 too, 129 tiles over 129 blocks
 ]
 TYPICAL_SHAPES = [  # typical init, ~1e4 rows each (see the module docstring)
     (2, 256, 128, 10000),
@@ -235,7 +244,7 @@ def test_forward_only(G, D, H, B):
 @pytest.mark.parametrize("regime", ["exact", "typical"])
 def test_grad_of_params_only_matches_oracle(regime):
     """jax.grad of sum_g c_g loss_g w.r.t. the params only (the training use): the kernel's gradient scaled by the
-    cotangent, no XLA product in the program's backward."""
+    cotangent; the backward's only product is XLA's dW1 = dpre^T obs (no d obs product)."""
     G, D, H, B = 2, 256, 128, 10000
     if regime == "exact":
         args = _exact(G, D, H, B, seed=9)
@@ -252,7 +261,7 @@ def test_grad_of_params_only_matches_oracle(regime):
 
 
 # ----------------------------------------------------------------------------------------------
-# (f) d obs (XLA, from the recomputed pre-activations) and d target (the kernel's dy) vs the oracle.
+# (f) d obs (XLA's dpre W1^T, from the dpre saved by the kernel) and d target (the kernel's dy) vs the oracle.
 @pytest.mark.parametrize("argnums", [(1,), (2,), (1, 2), (0, 2), (0, 1)], ids=str)
 @pytest.mark.parametrize("G,D,H,B", [(2, 256, 128, 4097), (2, 256, 128, 12289), (3, 128, 64, 37), (1, 64, 64, 1)])
 def test_dobs_and_dtarget_match_oracle(G, D, H, B, argnums):  # B = 12289: two networks a CTA (97 tiles)
@@ -299,13 +308,15 @@ def test_bitwise_repeatable(G, D, H, B):
         assert _leaves_equal(jax.device_get(f(*args)), first)
 
 
-def test_vmap_matches_per_instance_calls():
+@pytest.mark.parametrize("H", [64, 128])
+def test_vmap_matches_per_instance_calls(H):
     """vmap over params, obs and target: every instance matches its oracle within TOL, in the vmap and alone (XLA
     batches the products under vmap: other GEMM kernels than an instance alone, so other rounding of pre and dW1).
     vmap over target only: pre is then one unbatched product in both programs (XLA's GEMM autotuner off in both
     compilations, so the same GEMM kernel), and the kernel, called once an instance (vmap_method="sequential"),
-    gives instance v the loss, db1, dw2 and db2 bits of instance v alone."""
-    V, G, D, H, B = 3, 2, 128, 64, 100
+    gives instance v the loss, db1, dw2 and db2 bits of instance v alone. H = 64 runs the head kernel; H = 128 on
+    compute capability 9.0 the fused kernel (its own first product, the same for every instance)."""
+    V, G, D, B = 3, 2, 128, 100
     taus = (0.7, 0.9)
     cases = [_exact(G, D, H, B, seed=20 + v) for v in range(V)]
     c = cases[0][3]
@@ -548,3 +559,16 @@ def test_default_path_by_batch(monkeypatch, B, fused):
     text = compiled.as_text()
     assert ("jaxfox_iql_fused" in text) == want_fused and ("jaxfox_iql_head" in text) == (not want_fused)
     _assert_close(jax.device_get(compiled(*args)), _oracle(*args[:3], taus_for(2), args[3]), TOL, f"B = {B}")
+
+
+def test_highest_precision_takes_the_head_path():
+    """Under jax.default_matmul_precision("highest") the fused kernel (its product is TF32) is not taken: the head
+    kernel runs after XLA's float32 product (jaxfox.iql._fused_supported), and the result matches the oracle."""
+    G, D, H, B = 2, 256, 128, 4097
+    args = _exact(G, D, H, B, seed=G + B)
+    with jax.default_matmul_precision("highest"):
+        compiled = jax.jit(_fwd_bwd(taus_for(G))).lower(*args).compile()
+        text = compiled.as_text()
+        out = jax.device_get(compiled(*args))
+    assert "jaxfox_iql_head" in text and "jaxfox_iql_fused" not in text
+    _assert_close(out, _oracle(*args[:3], taus_for(G), args[3]), TOL, "highest precision, head path")

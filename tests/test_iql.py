@@ -549,10 +549,15 @@ def test_good_inputs_reach_a_path(nothing_runs, monkeypatch):
 
 def test_exact_inputs_premise():
     """The exact-math inputs of test_gpu_iql.py / gpu_sanitize_iql.py meet their premise on every shape used there
-    (checked here so that a broken premise shows on CPU; the GPU tests assert it again)."""
+    (checked here so that a broken premise shows on CPU; the GPU tests assert it again), at seeds G + B, 0 and 1
+    (the GPU tests use other seeds too: each asserts the premise for its own)."""
     from_gpu_tests = [(2, 256, 128, 16384), (2, 256, 128, 37), (1, 64, 64, 1), (3, 128, 64, 1000),
                       (2, 128, 128, 4097), (1, 256, 64, 5000), (2, 64, 128, 100), (1, 64, 64, 5), (2, 32, 6, 50),
-                      (2, 16, 516, 40), (2, 48, 132, 300), (1, 32, 512, 70)]
+                      (2, 16, 516, 40), (2, 48, 132, 300), (1, 32, 512, 70), (1, 100, 256, 300), (3, 36, 128, 129),
+                      (4, 36, 128, 129), (4, 36, 128, 6145), (4, 256, 128, 6145), (2, 30, 128, 50),
+                      (2, 256, 64, 100), (2, 128, 64, 100), (2, 256, 128, 12289), (2, 256, 128, 10000),
+                      (2, 256, 128, 2048), (2, 256, 128, 4095), (2, 256, 128, 4096), (2, 64, 256, 300),
+                      (2, 254, 128, 4097), (2, 128, 128, 100)]
     for G, D, H, B in from_gpu_tests:
         for seed in (G + B, 0, 1):
             assert_far_from_kinks(*exact_inputs(G, D, H, B, seed=seed))
