@@ -89,6 +89,7 @@ SHAPES = [
     (1, 256, 64, 5000),    # G = 1: 157 blocks, 157 partial rows (the finish kernel's rows 0..28 take 5 each)
     (2, 64, 128, 100),     # D = 64, H = 128 (fused, one network a CTA, one partial tile)
     (2, 48, 132, 300),     # H = 132: two column chunks a lane (the kernel's KH = 2), the second only on lane 0
+    (2, 48, 300, 300),     # H = 300: three column chunks a lane (KH = 3), the third on lanes 0..10
     (1, 32, 512, 70),      # H = 512: four column chunks a lane (KH = 4), the widest
     (2, 64, 256, 300),     # fused at H = 256 for a second network (CTA row y = 1); 3 tiles, the last 44 rows
     (2, 254, 128, 4097),   # D % 4 != 0: the head kernel at H = 128 on sm_90 too, 129 tiles over 129 blocks
