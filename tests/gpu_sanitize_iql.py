@@ -21,7 +21,8 @@ takes 4 of its 32);
 tile 1 row;
 (2, 64, 256, 300): on sm_90 the fused kernel at H = 256 for a second network (CTA row y = 1, columns g H on);
 (2, 254, 128, 4097): D not a multiple of 4, so the head kernel at H = 128 also on sm_90: 129 tiles over 129 blocks a
-network, and the finish kernel's 129 partial rows a column described for (2, 128, 128, 4097) above.
+network, and the finish kernel's 129 partial rows a column described for (2, 128, 128, 4097) above;
+(3, 128, 64, 4000): the head kernel walking several tiles a block (125 tiles over 88 blocks a network).
 On sm_90 the cases of H = 128 or 256 with D a multiple of 4 run the fused kernel (this script opts in to ``iql``,
 which keeps it below B = 4096); the rest the head kernel. The tile notes of (2, 256, 128, 37) and (2, 128, 128,
 4097) describe the head kernel, which runs them only on other devices; (2, 254, 128, 4097) keeps them on sm_90.
@@ -99,7 +100,8 @@ def main() -> int:
     ok = True
     for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300),
                   (1, 32, 512, 70), (1, 100, 256, 300), (3, 36, 128, 129),
-                  (4, 36, 128, 129), (4, 36, 128, 6145), (2, 64, 256, 300), (2, 254, 128, 4097)):
+                  (4, 36, 128, 129), (4, 36, 128, 6145), (2, 64, 256, 300), (2, 254, 128, 4097),
+                  (3, 128, 64, 4000)):
         ok = case(*shape, seed=sum(shape)) and ok
     if not ok:
         print("FAILED")

@@ -93,6 +93,7 @@ SHAPES = [
     (1, 32, 512, 70),      # H = 512: four column chunks a lane (KH = 4), the widest
     (2, 64, 256, 300),     # fused at H = 256 for a second network (CTA row y = 1); 3 tiles, the last 44 rows
     (2, 254, 128, 4097),   # D % 4 != 0: the head kernel at H = 128 on sm_90 too, 129 tiles over 129 blocks
+    (2, 254, 128, 16384),  # the head kernel at the aux shape on sm_90 too: 512 tiles over 132 blocks (grid stride)
 ]
 TYPICAL_SHAPES = [  # typical init, ~1e4 rows each (see the module docstring)
     (2, 256, 128, 10000),
