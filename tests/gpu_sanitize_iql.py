@@ -4,28 +4,7 @@ it applies: H = 128 or 256 and D a multiple of 4 on compute capability 9.0), for
 Run on the GPU machine (tools/gpu_visit.sh phase ``sanitize:iql``), e.g.:
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_iql.py
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_iql.py
-Cases (G, D, H, B), each run once:
-(2, 256, 128, 37): the aux trainers' network shape, 2 tiles of 32 rows, the last one partial (5 rows);
-(1, 64, 64, 5): B < 32, one partial tile, H < 128 (lanes 16..31 hold no column);
-(3, 128, 64, 1000): G = 3 (grid 32 x 3), 32 tiles, the last one partial (8 rows);
-(2, 128, 128, 4097): 129 tiles over 129 blocks a network, the last tile 1 row; the finish kernel sums 129 partial
-rows a column (its thread row 0 takes 5 of them, the others 4) over 2 x 260 columns (17 blocks, the last partial);
-(2, 48, 132, 300): H = 132, two column chunks a lane (the second only on lane 0);
-(1, 32, 512, 70): H = 512, the widest (four column chunks a lane), 1028 partial-row columns (the last finish block
-takes 4 of its 32);
-(1, 100, 256, 300): on sm_90 the fused kernel at H = 256 (two 128-column products a k-step), D = 100 (its last
-32-float K chunk holds 4 floats, the rest zero-filled), 3 tiles of 128 rows, the last one 44;
-(3, 36, 128, 129): on sm_90 the fused kernel for G = 3, D = 36 (2 K chunks), 2 tiles, the last one 1 row;
-(4, 36, 128, 129): G even with 2 x 2 = 4 network-pair CTAs, fewer than IqlFusedImpl's 96: one network a CTA;
-(4, 36, 128, 6145): two networks a CTA (49 tiles x 2 pairs = 98 CTAs), the second pair in CTA row y = 1, the last
-tile 1 row;
-(2, 64, 256, 300): on sm_90 the fused kernel at H = 256 for a second network (CTA row y = 1, columns g H on);
-(2, 254, 128, 4097): D not a multiple of 4, so the head kernel at H = 128 also on sm_90: 129 tiles over 129 blocks a
-network, and the finish kernel's 129 partial rows a column described for (2, 128, 128, 4097) above;
-(3, 128, 64, 4000): the head kernel walking several tiles a block (125 tiles over 88 blocks a network).
-On sm_90 the cases of H = 128 or 256 with D a multiple of 4 run the fused kernel (this script opts in to ``iql``,
-which keeps it below B = 4096); the rest the head kernel. The tile notes of (2, 256, 128, 37) and (2, 128, 128,
-4097) describe the head kernel, which runs them only on other devices; (2, 254, 128, 4097) keeps them on sm_90.
+Cases: tests/iql_cases.py SANITIZE ((G, D, H, B, seed), each run once; which kernel each runs is noted there).
 Each case runs jax.vjp w.r.t. the params (XLA's first-layer GEMM and the head kernel, or the fused kernel; then
 XLA's weight-gradient GEMM;
 on an H100 the sanitizer ran such programs, the thirty-fifth session), blocks until ready, and checks that every
@@ -98,11 +77,10 @@ def main() -> int:
         print(f"jaxfox kernels unavailable: {jaxfox.kernels_unavailable_reason()}", file=sys.stderr)
         return 2
     ok = True
-    for shape in ((2, 256, 128, 37), (1, 64, 64, 5), (3, 128, 64, 1000), (2, 128, 128, 4097), (2, 48, 132, 300),
-                  (1, 32, 512, 70), (1, 100, 256, 300), (3, 36, 128, 129),
-                  (4, 36, 128, 129), (4, 36, 128, 6145), (2, 64, 256, 300), (2, 254, 128, 4097),
-                  (3, 128, 64, 4000)):
-        ok = case(*shape, seed=sum(shape)) and ok
+    from iql_cases import SANITIZE
+
+    for G, D, H, B, seed in SANITIZE:
+        ok = case(G, D, H, B, seed=seed) and ok
     if not ok:
         print("FAILED")
         return 1

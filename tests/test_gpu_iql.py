@@ -2,12 +2,12 @@
 jaxfox_iql_fused for H = 128 or 256: the first product on wgmma with the head in its epilogue; section (h)),
 ``pytest -m gpu`` on the H200.
 
-Every test is marked ``gpu``; the module is skipped when the kernels are not available (no CUDA device,
-extension not built, JAXFOX_DISABLE_KERNELS set). The kernel runs by default for H >= 128 and is opt-in below: the
-module's tests run with JAXFOX_OPT_IN_KERNELS=iql (conftest.module_opt_in). The kernel path is compared with the float64 NumPy oracle of
-test_iql.py (``np_iql_loss`` / ``np_iql_grads``, written from the equations) and with the pure-JAX reference path
-on the same GPU (traced inside ``jaxfox.use_reference()``), both at the default matmul precision: the two
-products (obs W1 and obs^T dpre, and d obs) are XLA's float32 GEMMs on both paths, TF32 there (10-bit mantissa,
+Every test is marked ``gpu``; the module is skipped when the kernels are not available (no CUDA device, extension not
+built, JAXFOX_DISABLE_KERNELS set). The kernel runs by default for H >= 128 and is opt-in below: the module's tests
+run with JAXFOX_OPT_IN_KERNELS=iql (conftest.module_opt_in). The kernel path is compared with the float64 NumPy
+oracle of test_iql.py (``np_iql_loss`` / ``np_iql_grads``, written from the equations) and with the pure-JAX
+reference path on the same GPU (traced inside ``jaxfox.use_reference()``), both at the default matmul precision: the
+two products (obs W1 and obs^T dpre, and d obs) are XLA's float32 GEMMs on both paths, TF32 there (10-bit mantissa,
 float32 accumulation), except that on compute capability 9.0 the fused kernel (jaxfox_iql_fused, H = 128 or 256)
 computes obs W1 itself in TF32, its inputs truncated by the tensor cores; the rest of the kernels is float32. (The
 numbers below were worked out for an earlier kernel that ran the products itself, rounding its operands to nearest
@@ -20,9 +20,10 @@ changes dh there by a full-size term. The summed gradients (dW1, db1, dw2) of ra
 few such flips are a visible part of them, and XLA's TF32 path flips masks too. (The expectile weight also jumps
 at u = 0, from tau to 1 - tau, but there u ~ 0, so a flip there changes dv by ~|u| only.) So:
 
-1. Exact-math tests (``exact_inputs`` of test_iql.py): every first-layer pre-activation has |p| >= 0.2 and every
-   residual |u| >= 0.25 (asserted with the float64 oracle in each test, ``assert_far_from_kinks``), with units
-   always on, always off and switching by row, different per network, and both signs of u. There the kernel
+1. Exact-math tests (``exact_inputs`` of test_iql.py, at the cases of tests/iql_cases.py): every first-layer
+   pre-activation has |p| >= 0.2 and every residual |u| >= 0.25 (asserted with the float64 oracle in each test,
+   ``assert_far_from_kinks``), with units always on, always off and switching by row, different per network, and
+   both signs of u. There the kernel
    matches the oracle to TF32 accuracy: rel_err <= TOL = 5e-3 for the losses and EVERY gradient (a NumPy model
    of the kernel's TF32 rounding to nearest gave <= 8e-4 on these shapes, of truncating TF32 everywhere <= 3.2e-3).
 2. Typical-init tests (``typical_inputs``: iql_init, obs ~ N(0, 1), target ~ 1.5 N(0, 1), random-sign loss
@@ -51,6 +52,7 @@ import pytest
 import jaxfox
 from jaxfox import iql_value_loss
 
+import iql_cases
 from conftest import assert_command_buffers_identical, module_opt_in, rel_err
 from test_iql import (GRAD_KEYS, assert_far_from_kinks, cotangent, exact_inputs, named, np_iql_grads, np_iql_loss,
                       preactivations, taus_for, typical_inputs)
@@ -75,26 +77,6 @@ def _n_calls(text):
     return sum(text.count(f"custom_call @{t}") for t in TARGETS)
 TOL = 5e-3                          # TF32 products without mask flips: norm-wise relative error per array
 XLA_FACTOR, XLA_SLACK = 3.0, 2e-3   # typical init: err(kernel) <= XLA_FACTOR err(reference) + XLA_SLACK
-# G, D, H, B; exact-math inputs. On compute capability 9.0 (the module opts in to the fused path at any B), H = 128
-# or 256 with D % 4 == 0 runs jaxfox_iql_fused: 128-row tiles, S = ceil(B / 128) partial rows a network, two networks
-# a CTA (<2, 2, 1>) where H = 128, G is even and S G / 2 >= 96, else one (<1, 1, 2>; H = 256: <2, 1, 1>). Every other
-# shape runs the head kernel (blocks a network: S = min(tiles of 32 rows, 264 // G), jaxfox/iql.py); the notes on
-# tiles and blocks below are the head kernel's where the fused one does not run them.
-SHAPES = [
-    (2, 256, 128, 16384),  # the aux trainers' shape: fused, two networks a CTA, 128 tiles (128 partial rows)
-    (2, 256, 128, 37),     # fused, one network a CTA: one tile, partial (37 rows)
-    (1, 64, 64, 1),        # B = 1: one tile of one row; lanes 16..31 hold no column (H = 64)
-    (3, 128, 64, 1000),    # G = 3 (32 blocks a network), partial last tile (1000 = 31 x 32 + 8)
-    (2, 128, 128, 4097),   # fused, one network a CTA: 33 tiles (S = 33 < 96), partial last tile (1 row)
-    (1, 256, 64, 5000),    # G = 1: 157 blocks, 157 partial rows (the finish kernel's rows 0..28 take 5 each)
-    (2, 64, 128, 100),     # D = 64, H = 128 (fused, one network a CTA, one partial tile)
-    (2, 48, 132, 300),     # H = 132: two column chunks a lane (the kernel's KH = 2), the second only on lane 0
-    (2, 48, 300, 300),     # H = 300: three column chunks a lane (KH = 3), the third on lanes 0..10
-    (1, 32, 512, 70),      # H = 512: four column chunks a lane (KH = 4), the widest
-    (2, 64, 256, 300),     # fused at H = 256 for a second network (CTA row y = 1); 3 tiles, the last 44 rows
-    (2, 254, 128, 4097),   # D % 4 != 0: the head kernel at H = 128 on sm_90 too, 129 tiles over 129 blocks
-    (2, 254, 128, 16384),  # the head kernel at the aux shape on sm_90 too: 512 tiles over 132 blocks (grid stride)
-]
 TYPICAL_SHAPES = [  # typical init, ~1e4 rows each (see the module docstring)
     (2, 256, 128, 10000),
     (1, 64, 64, 10001),
@@ -195,9 +177,9 @@ def _exact(G, D, H, B, seed):
 
 # ----------------------------------------------------------------------------------------------
 # (a) Exact-math inputs (no mask can flip): kernel vs the float64 oracle at TF32 accuracy.
-@pytest.mark.parametrize("G,D,H,B", SHAPES)
-def test_exact_math_kernel_matches_oracle(G, D, H, B):
-    args = _exact(G, D, H, B, seed=G + B)
+@pytest.mark.parametrize("G,D,H,B,seed", iql_cases.KERNEL_VS_ORACLE)
+def test_exact_math_kernel_matches_oracle(G, D, H, B, seed):
+    args = _exact(G, D, H, B, seed)
     taus = taus_for(G)
     got = _run(_fwd_bwd(taus), *args)
     assert got[0].shape == (G,) and got[0].dtype == np.float32
@@ -205,10 +187,10 @@ def test_exact_math_kernel_matches_oracle(G, D, H, B):
     _assert_close(got, _oracle(*args[:3], taus, args[3]), TOL, "kernel vs float64 oracle (exact-math inputs)")
 
 
-@pytest.mark.parametrize("G,D,H,B", [(2, 256, 128, 37), (3, 128, 64, 1000), (2, 256, 128, 16384)])
-def test_exact_math_reference_matches_oracle(G, D, H, B):
+@pytest.mark.parametrize("G,D,H,B,seed", iql_cases.REFERENCE_VS_ORACLE)
+def test_exact_math_reference_matches_oracle(G, D, H, B, seed):
     """The premise of TOL: XLA's TF32 path on the same GPU meets it too when no mask can flip."""
-    args = _exact(G, D, H, B, seed=G + B)
+    args = _exact(G, D, H, B, seed)
     taus = taus_for(G)
     _assert_close(_run(_fwd_bwd(taus), *args, reference=True), _oracle(*args[:3], taus, args[3]), TOL,
                   "reference (XLA, TF32) vs float64 oracle (exact-math inputs)")
@@ -247,11 +229,11 @@ def test_forward_only(G, D, H, B):
 def test_grad_of_params_only_matches_oracle(regime):
     """jax.grad of sum_g c_g loss_g w.r.t. the params only (the training use): the kernel's gradient scaled by the
     cotangent; the backward's only product is XLA's dW1 = dpre^T obs (no d obs product)."""
-    G, D, H, B = 2, 256, 128, 10000
+    (G, D, H, B, seed), = iql_cases.PARAMS_ONLY
     if regime == "exact":
-        args = _exact(G, D, H, B, seed=9)
+        args = _exact(G, D, H, B, seed)
     else:
-        args = (*typical_inputs(G, D, H, B, seed=9), cotangent(G, seed=9))
+        args = (*typical_inputs(G, D, H, B, seed=seed), cotangent(G, seed=seed))
     taus = (0.7, 0.9)
     f = _fwd_bwd(taus, argnums=(0,))
     got = _run(f, *args)
@@ -265,9 +247,9 @@ def test_grad_of_params_only_matches_oracle(regime):
 # ----------------------------------------------------------------------------------------------
 # (f) d obs (XLA's dpre W1^T, from the dpre saved by the kernel) and d target (the kernel's dy) vs the oracle.
 @pytest.mark.parametrize("argnums", [(1,), (2,), (1, 2), (0, 2), (0, 1)], ids=str)
-@pytest.mark.parametrize("G,D,H,B", [(2, 256, 128, 4097), (2, 256, 128, 12289), (3, 128, 64, 37), (1, 64, 64, 1)])
-def test_dobs_and_dtarget_match_oracle(G, D, H, B, argnums):  # B = 12289: two networks a CTA (97 tiles)
-    args = _exact(G, D, H, B, seed=11 + B)
+@pytest.mark.parametrize("G,D,H,B,seed", iql_cases.DOBS_DTARGET)
+def test_dobs_and_dtarget_match_oracle(G, D, H, B, seed, argnums):
+    args = _exact(G, D, H, B, seed)
     taus = taus_for(G)
     got = _run(_fwd_bwd(taus, argnums), *args)
     _assert_close(got, _oracle(*args[:3], taus, args[3], argnums), TOL, f"argnums {argnums} vs oracle")
@@ -281,8 +263,8 @@ def test_dtarget_is_per_row():
     """d target_b depends on row b alone: replacing every other row of the batch (by the others in reverse order)
     leaves d target_b bitwise unchanged (same shapes, so the same GEMM algorithms; a one-row call would be a
     different GEMM, whose TF32 rounding XLA may do differently)."""
-    G, D, H, B = 2, 256, 128, 37
-    params, obs, target, c = _exact(G, D, H, B, seed=12)
+    (G, D, H, B, seed), = iql_cases.DTARGET_PER_ROW
+    params, obs, target, c = _exact(G, D, H, B, seed)
     taus = (0.7, 0.9)
     f = jax.jit(_fwd_bwd(taus, (2,))).lower(params, obs, target, c).compile()  # one executable for every call
     assert _kernel_in(f.as_text())
@@ -318,9 +300,9 @@ def test_vmap_matches_per_instance_calls(H):
     compilations, so the same GEMM kernel), and the kernel, called once an instance (vmap_method="sequential"),
     gives instance v the loss, db1, dw2 and db2 bits of instance v alone. H = 64 runs the head kernel; H = 128 on
     compute capability 9.0 the fused kernel (its own first product, the same for every instance)."""
-    V, G, D, B = 3, 2, 128, 100
     taus = (0.7, 0.9)
-    cases = [_exact(G, D, H, B, seed=20 + v) for v in range(V)]
+    cases = [_exact(*case) for case in iql_cases.VMAP if case[2] == H]  # one (G, D, H, B, seed) an instance
+    V = len(cases)
     c = cases[0][3]
     stacked = [jax.tree.map(lambda *a: jnp.stack(a), *[cs[i] for cs in cases]) for i in range(3)]
     vm = _run(jax.vmap(_fwd_bwd(taus), in_axes=(0, 0, 0, None)), *stacked, c)
@@ -366,11 +348,11 @@ def test_kernel_is_in_the_program_and_not_in_the_reference():
         assert not _kernel_in(jax.jit(f).lower(*args).compile().as_text())
 
 
-@pytest.mark.parametrize("G,D,H,B", [(2, 32, 6, 50), (2, 16, 516, 40)])
-def test_shapes_outside_the_kernel_run_the_reference(G, D, H, B):
+@pytest.mark.parametrize("G,D,H,B,seed", iql_cases.OUTSIDE_THE_KERNEL)
+def test_shapes_outside_the_kernel_run_the_reference(G, D, H, B, seed):
     """H not a multiple of 4, or above 512 (outside the kernel, jaxfox/iql.py _kernel_supported): the reference on
     CUDA (XLA, TF32), matching the oracle on exact-math inputs."""
-    args = _exact(G, D, H, B, seed=17)
+    args = _exact(G, D, H, B, seed)
     compiled = jax.jit(_fwd_bwd(taus_for(G))).lower(*args).compile()
     assert not _kernel_in(compiled.as_text())
     _assert_close(jax.device_get(compiled(*args)), _oracle(*args[:3], taus_for(G), args[3]), TOL,
@@ -487,8 +469,8 @@ def test_adam_training_losses_fall():
 def test_exact_inputs_reach_every_mask_kind():
     """The exact-math inputs do exercise what they are for (so the exact tests cannot pass trivially): at the
     aux shape every network has switching units, both signs of u, and a non-trivial dW1 (not all zeros)."""
-    G, D, H, B = 2, 256, 128, 16384
-    params, obs, target, c = _exact(G, D, H, B, seed=G + B)
+    (G, D, H, B, seed), = iql_cases.MASK_KINDS
+    params, obs, target, c = _exact(G, D, H, B, seed)
     p, u = preactivations(params, obs, target)
     assert ((p > 0).mean(axis=(1, 2)) > 0.3).all() and ((p > 0).mean(axis=(1, 2)) < 0.7).all()
     assert ((u > 0).mean(axis=1) > 0.3).all() and ((u > 0).mean(axis=1) < 0.7).all()
@@ -500,21 +482,12 @@ def test_exact_inputs_reach_every_mask_kind():
 # epilogue) on compute capability 9.0 for H = 128 or 256 and D a multiple of 4 (at any B under this module's opt-in;
 # by default from B = 4096, test_default_path_by_batch); the head kernel between XLA's products elsewhere. Both
 # against the oracle on exact-math inputs.
-@pytest.mark.parametrize("G,D,H,B,fused", [
-    (2, 256, 128, 16384, True),   # the aux trainers' shape: 128 tiles of 128 rows a network
-    (1, 100, 256, 300, True),     # H = 256 (two 128-column products a k-step), D = 100: the last K chunk 4 of 32
-    (3, 36, 128, 129, True),      # G = 3, D = 36 (2 chunks, the second 4 floats), 2 tiles, the last one 1 row
-    (4, 36, 128, 129, True),      # G = 4 with 4 network-pair CTAs (< 96, ffi/iql.cu IqlFusedImpl): one network a CTA
-    (4, 36, 128, 6145, True),     # G = 4, 98 pair CTAs: two networks a CTA (networks 2 y, 2 y + 1), CTA row y = 1 too
-    (2, 256, 64, 100, False),     # H = 64: head kernel
-    (2, 48, 132, 300, False),     # H = 132: head kernel
-    (2, 30, 128, 50, False),      # D = 30, not a multiple of 4: head kernel
-])
-def test_fused_kernel_where_it_applies(G, D, H, B, fused):
+@pytest.mark.parametrize("G,D,H,B,seed,fused", iql_cases.FUSED_WHERE_IT_APPLIES)
+def test_fused_kernel_where_it_applies(G, D, H, B, seed, fused):
     from jaxfox._ffi import cuda_compute_capability
 
     want_fused = fused and cuda_compute_capability() == (9, 0)
-    args = _exact(G, D, H, B, seed=G + D + H + B)
+    args = _exact(G, D, H, B, seed)
     compiled = jax.jit(_fwd_bwd(taus_for(G))).lower(*args).compile()
     text = compiled.as_text()
     assert ("jaxfox_iql_fused" in text) == want_fused and ("jaxfox_iql_head" in text) == (not want_fused)
@@ -533,7 +506,7 @@ def test_two_networks_a_cta_give_the_bits_of_one():
 
     if cuda_compute_capability() != (9, 0):
         pytest.skip("the fused kernel runs on compute capability 9.0 only")
-    params4, obs, target, c4 = _exact(4, 256, 128, 6145, seed=48)
+    params4, obs, target, c4 = _exact(*iql_cases.TWO_NETWORKS_A_CTA[0])
     params3 = jax.tree.map(lambda x: x[:3], params4)
     out = {}
     for G, params, c in ((4, params4, c4), (3, params3, c4[:3])):
@@ -547,8 +520,8 @@ def test_two_networks_a_cta_give_the_bits_of_one():
         np.testing.assert_array_equal(np.asarray(g4[k])[:3], np.asarray(g3[k]), err_msg=k)
 
 
-@pytest.mark.parametrize("B,fused", [(2048, False), (4095, False), (4096, True)])
-def test_default_path_by_batch(monkeypatch, B, fused):
+@pytest.mark.parametrize("G,D,H,B,seed,fused", iql_cases.DEFAULT_PATH_BY_BATCH)
+def test_default_path_by_batch(monkeypatch, G, D, H, B, seed, fused):
     """Without JAXFOX_OPT_IN_KERNELS=iql (this module sets it), the aux trainers' shape takes the head path below
     4096 rows and the fused kernel from 4096 on (jaxfox.iql._FUSED_MIN_B; on compute capability 9.0 only), and
     both match the oracle."""
@@ -556,8 +529,8 @@ def test_default_path_by_batch(monkeypatch, B, fused):
 
     monkeypatch.setenv("JAXFOX_OPT_IN_KERNELS", "")
     want_fused = fused and cuda_compute_capability() == (9, 0)
-    args = _exact(2, 256, 128, B, seed=B)
-    compiled = jax.jit(_fwd_bwd(taus_for(2))).lower(*args).compile()
+    args = _exact(G, D, H, B, seed)
+    compiled = jax.jit(_fwd_bwd(taus_for(G))).lower(*args).compile()
     text = compiled.as_text()
     assert ("jaxfox_iql_fused" in text) == want_fused and ("jaxfox_iql_head" in text) == (not want_fused)
     _assert_close(jax.device_get(compiled(*args)), _oracle(*args[:3], taus_for(2), args[3]), TOL, f"B = {B}")
@@ -566,8 +539,8 @@ def test_default_path_by_batch(monkeypatch, B, fused):
 def test_highest_precision_takes_the_head_path():
     """Under jax.default_matmul_precision("highest") the fused kernel (its product is TF32) is not taken: the head
     kernel runs after XLA's float32 product (jaxfox.iql._fused_supported), and the result matches the oracle."""
-    G, D, H, B = 2, 256, 128, 4097
-    args = _exact(G, D, H, B, seed=G + B)
+    (G, D, H, B, seed), = iql_cases.HIGHEST_PRECISION
+    args = _exact(G, D, H, B, seed)
     with jax.default_matmul_precision("highest"):
         compiled = jax.jit(_fwd_bwd(taus_for(G))).lower(*args).compile()
         text = compiled.as_text()

@@ -5,17 +5,16 @@
   hand with the chain rule and itself checked against central differences), and ``jax.test_util.check_grads``;
 * jit / vmap composition; the argument checks (raised before anything runs, naming the argument);
 * the CUDA kernel path (ffi/iql.cu, FFI target jaxfox_iql_head; by default for H >= 128, opt-in below:
-  JAXFOX_OPT_IN_KERNELS=iql), traced and lowered for CUDA on this CPU machine with the kernels forced on and opted in: one FFI call between XLA's
-  first-layer GEMM and its weight-gradient GEMM, with which operand / result shapes and attributes, which
-  products, and which shapes fall back to the reference; the same for the fused target jaxfox_iql_fused (forced:
-  it needs an sm_90 device), and which shapes, devices, builds and precisions choose it; its Python wiring (the
-  custom_vjp around the call)
-  against the oracle with the FFI call's results computed in JAX.
+  JAXFOX_OPT_IN_KERNELS=iql), traced and lowered for CUDA on this CPU machine with the kernels forced on and
+  opted in: one FFI call between XLA's first-layer GEMM and its weight-gradient GEMM, with which operand / result
+  shapes and attributes, which products, and which shapes fall back to the reference; the same for the fused target
+  jaxfox_iql_fused (forced: it needs an sm_90 device), and which shapes, devices, builds and precisions choose it;
+  its Python wiring (the custom_vjp around the call) against the oracle with the FFI call's results computed in JAX.
 
 The oracle and the input builders (``exact_inputs``: every first-layer pre-activation and every residual u kept
 away from 0, asserted by ``assert_far_from_kinks``; ``typical_inputs``: iql_init) are also used by
-test_gpu_iql.py and gpu_sanitize_iql.py; ``test_exact_inputs_premise`` checks here, on the GPU tests' shapes,
-that the exact-math inputs satisfy their premise.
+test_gpu_iql.py and gpu_sanitize_iql.py; ``test_exact_inputs_premise`` checks here that the exact-math inputs of
+the GPU tests' cases (tests/iql_cases.py) satisfy their premise.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import jaxfox.iql as iql_mod
 from jaxfox import iql_value_loss
 from jaxfox.models.aux import iql_init
 
+import iql_cases
 from conftest import assert_raises_naming, central_diff_grad, cuda_custom_calls, rel_err
 
 GRAD_KEYS = ("dw1", "db1", "dw2", "db2", "dobs", "dtarget")
@@ -547,21 +547,24 @@ def test_good_inputs_reach_a_path(nothing_runs, monkeypatch):
     assert nothing_runs == ["dispatch", "reference", "reference", "dispatch"]
 
 
-def test_exact_inputs_premise():
-    """The exact-math inputs of test_gpu_iql.py / gpu_sanitize_iql.py meet their premise on every shape used there
-    (checked here so that a broken premise shows on CPU; the GPU tests assert it again), at seeds G + B, 0 and 1
-    (the GPU tests use other seeds too: each asserts the premise for its own)."""
-    from_gpu_tests = [(2, 256, 128, 16384), (2, 256, 128, 37), (1, 64, 64, 1), (3, 128, 64, 1000),
-                      (2, 128, 128, 4097), (1, 256, 64, 5000), (2, 64, 128, 100), (1, 64, 64, 5), (2, 32, 6, 50),
-                      (2, 16, 516, 40), (2, 48, 132, 300), (1, 32, 512, 70), (1, 100, 256, 300), (3, 36, 128, 129),
-                      (4, 36, 128, 129), (4, 36, 128, 6145), (4, 256, 128, 6145), (2, 30, 128, 50),
-                      (2, 256, 64, 100), (2, 128, 64, 100), (2, 256, 128, 12289), (2, 256, 128, 10000),
-                      (2, 256, 128, 2048), (2, 256, 128, 4095), (2, 256, 128, 4096), (2, 64, 256, 300),
-                      (2, 254, 128, 4097), (2, 128, 128, 100),
-                      (2, 48, 300, 300), (2, 254, 128, 16384), (3, 128, 64, 4000)]
-    for G, D, H, B in from_gpu_tests:
-        for seed in (G + B, 0, 1):
-            assert_far_from_kinks(*exact_inputs(G, D, H, B, seed=seed))
+def _exact_cases():
+    return sorted({case[:5] for cases in iql_cases.EXACT.values() for case in cases})
+
+
+@pytest.mark.parametrize("G,D,H,B,seed", _exact_cases())
+def test_exact_inputs_premise(G, D, H, B, seed):
+    """Every exact-math case of test_gpu_iql.py and gpu_sanitize_iql.py (tests/iql_cases.py, the (shape, seed)
+    pairs those files run) meets the premise of those tests: checked here, so that a broken premise shows on CPU
+    (the GPU tests assert it again)."""
+    assert_far_from_kinks(*exact_inputs(G, D, H, B, seed=seed))
+
+
+def test_every_exact_case_list_is_checked():
+    """iql_cases.EXACT names every case list of tests/iql_cases.py, so the premise test above sees every case."""
+    lists = {k for k, v in vars(iql_cases).items() if k.isupper() and isinstance(v, list)}
+    assert lists == set(iql_cases.EXACT), lists ^ set(iql_cases.EXACT)
+    assert all(len(case) >= 5 and all(isinstance(x, int) for x in case[:5])
+               for cases in iql_cases.EXACT.values() for case in cases)
 
 
 # ----------------------------------------------------------------------------------------------
