@@ -14,6 +14,8 @@ import numpy as np
 __all__ = ["check_array", "float32_param_dtype", "in_open_unit_float32", "is_concrete", "no_float64_without_x64",
            "positive_float32", "positive_int", "real_scalar", "unwritable_reason"]
 
+_F32_TINY = float(np.finfo(np.float32).tiny)  # 2^-126, the smallest normal float32
+
 
 def is_concrete(x) -> bool:
     """True unless ``x`` is a tracer (a value known only when the jitted function runs)."""
@@ -113,24 +115,26 @@ def positive_float32(name, value):
 
     Raises:
       TypeError: as :func:`real_scalar` (also for a traced value: the constant is baked into the computation).
-      ValueError: not finite and > 0, or not so in float32 (1e-46 would be 0 there, 1e39 inf).
+      ValueError: not finite and > 0, or not a normal float32 (1e-46 would be 0 there, 1e39 inf, and a subnormal
+        such as 1e-40 is flushed to 0 by XLA: a LayerNorm eps of 1e-44 gave NaN on a constant row on CPU).
     """
     v = real_scalar(name, value, 0.0, lo_open=True, traced=False)
     with np.errstate(over="ignore", under="ignore"):
         v32 = float(np.float32(v))
-    if not (math.isfinite(v32) and v32 > 0.0):
-        raise ValueError(f"{name} must be a positive finite float32 (about 1.4e-45 to 3.4e38), got {value!r}")
+    if not (math.isfinite(v32) and v32 >= _F32_TINY):
+        raise ValueError(f"{name} must be a positive finite normal float32 (about 1.2e-38 to 3.4e38), got {value!r}")
     return v
 
 
 def in_open_unit_float32(value) -> bool:
     """True when every element of ``value`` (a concrete real number or array) is in (0, 1) both as given and after
-    rounding to float32, the precision the ops compute in: an expectile of 1 - 1e-9 (or 1e-50) would otherwise become
-    exactly 1.0 (or 0.0) there, silently turning the asymmetric loss one-sided. NaN is not in (0, 1)."""
+    rounding to float32, the precision the ops compute in, and not subnormal there: an expectile of 1 - 1e-9 (or
+    1e-50) would otherwise become exactly 1.0 (or 0.0) there, and XLA flushes a subnormal one (1e-40) to 0, silently
+    turning the asymmetric loss one-sided. NaN is not in (0, 1)."""
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         v = np.asarray(value, np.float64)
         v32 = v.astype(np.float32)
-    return bool(np.all((v > 0) & (v < 1) & (v32 > 0) & (v32 < 1)))
+    return bool(np.all((v > 0) & (v < 1) & (v32 >= _F32_TINY) & (v32 < 1)))
 
 
 def unwritable_reason(path, *, folder: bool) -> str | None:

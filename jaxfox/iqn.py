@@ -48,8 +48,8 @@ import numpy as np
 
 from jaxfox._ffi import (_explicit_batch_axes, cuda_compute_capability, dispatch, ffi_call as _ffi_call,
                          psum_to_match, smem_per_block_limit)
-from jaxfox._validate import check_array, positive_float32, positive_int as _positive_int
-from jaxfox.losses import quantile_embedding, quantile_huber_loss
+from jaxfox._validate import check_array, positive_int as _positive_int
+from jaxfox.losses import _huber_kappa, quantile_embedding, quantile_huber_loss
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["iqn_head_init", "iqn_head", "iqn_quantile_huber_loss"]
@@ -71,12 +71,17 @@ class _Config(NamedTuple):
 def iqn_head_init(key, hidden_size, *, n_cos=64):
     """Parameters of :func:`iqn_head`: He-normal weights (ReLU layers), zero biases.
 
+    Args:
+      key: a ``jax.random`` key (``jax.random.key(seed)`` or a legacy uint32 [2] ``PRNGKey``).
+      hidden_size: H, the width of psi, phi and the hidden layer (int >= 1; the CUDA kernels cover 64 and 128).
+      n_cos: K, the number of cosine features of :func:`jaxfox.quantile_embedding` (int >= 1; kernels: 32, 64).
+
     Returns ``{"w_phi": [n_cos, H], "b_phi": [H], "w_h": [H, H], "b_h": [H], "w_out": [H, 1],
     "b_out": [1]}`` float32, weights as [in, out]. ``w_out`` is scaled by 0.1 so that the initial
     quantiles are small. He-normal: N(0, 2 / fan_in) (He et al. 2015, "Delving Deep into Rectifiers",
     eq. 10), as ``jaxfox.models.aux`` initialises its other ReLU layers.
 
-    Raises: ValueError if hidden_size or n_cos is not an int >= 1.
+    Raises: ValueError if hidden_size or n_cos is not an int >= 1 (a bad key: JAX's own TypeError or ValueError).
     """
     H = _positive_int("hidden_size", hidden_size)
     K = _positive_int("n_cos", n_cos)
@@ -92,7 +97,9 @@ def _check_params(params):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
         raise ValueError(f"params must be a dict with keys {list(_PARAM_KEYS)} (iqn_head_init), got {got}")
     w_phi = params["w_phi"]
-    if not hasattr(w_phi, "shape") or len(w_phi.shape) != 2:
+    if not hasattr(w_phi, "shape") or not hasattr(w_phi, "dtype"):
+        raise TypeError(f"params['w_phi'] must be an array, got {type(w_phi).__name__}")
+    if len(w_phi.shape) != 2:
         raise ValueError(f"params['w_phi'] must have shape [n_cos, H], got "
                          f"{getattr(w_phi, 'shape', type(w_phi).__name__)}")
     K, H = w_phi.shape
@@ -308,7 +315,8 @@ def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
       taus: [B, N] float32, the fractions of the N online quantiles of each sample.
       target_quantiles: [B, N'] float32, the N' target samples of each sample (in IQN r + gamma Z'_tau'(s', a*),
         usually ``jax.lax.stop_gradient``-ed).
-      kappa: the Huber threshold, a concrete real > 0 (a Python float or a 0-d array; IQN uses 1).
+      kappa: the Huber threshold, a concrete real >= 2^-63 (~1.1e-19; below, float32 underflow gives NaN or 0
+        losses), a Python float or a 0-d array, in the units of the quantile values (IQN uses 1).
 
     Returns:
       float32 scalar: (1 / B) sum_b sum_i (1 / N') sum_j |tau_i - 1{delta_ij < 0}| L_kappa(delta_ij) / kappa with
@@ -328,14 +336,14 @@ def iqn_quantile_huber_loss(params, psi, taus, target_quantiles, kappa=1.0):
     Raises:
       TypeError: psi, taus, target_quantiles or a parameter is not float32; kappa is not a concrete real scalar.
       ValueError: params is not an iqn_head_init dict, a shape does not match (the message names the argument,
-        the expected and the actual shape), B = 0, N' = 0, or kappa is not a finite float > 0.
+        the expected and the actual shape), B = 0, N' = 0, or kappa is not finite or is below 2^-63 in float32.
     """
     K, H = _check_params(params)
     check_array("psi", psi, (None, H))
     B = psi.shape[0]
     check_array("taus", taus, (B, None))
     check_array("target_quantiles", target_quantiles, (B, None))
-    kappa = positive_float32("kappa", kappa)
+    kappa = _huber_kappa(kappa)
     N, Nt = taus.shape[1], target_quantiles.shape[1]
     if B == 0 or Nt == 0:
         raise ValueError(f"psi must have at least one row and target_quantiles at least one column (the loss is "

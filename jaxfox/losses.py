@@ -47,6 +47,25 @@ def _is_python_number(v):
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
+_KAPPA_MIN = 2.0 ** -63  # sqrt(2^-126), the square root of the smallest normal float32
+
+
+def _huber_kappa(kappa, name="kappa"):
+    """The Huber threshold of quantile_huber_loss / iqn_quantile_huber_loss as a Python float: positive_float32's
+    checks, and kappa >= 2^-63 (about 1.1e-19) in float32.
+
+    The loss is computed as |tau - 1{d < 0}| L_kappa(d) / kappa in float32, and XLA on CPU flushes subnormal values
+    to zero: a subnormal kappa (1e-40) gave 0 / 0 = NaN losses, and a tiny normal one dropped whole terms (kappa =
+    1e-30, |d| = 1e-9: kappa (|d| - kappa / 2) = 1e-39 -> 0, a term of 3e-10 lost). A product flushed to zero is below
+    2^-126, so the term it stood for is below 2^-126 / kappa: at kappa >= 2^-63, below 2^-63 in absolute value.
+    """
+    k = positive_float32(name, kappa)
+    if float(np.float32(k)) < _KAPPA_MIN:
+        raise ValueError(f"{name} must be >= 2^-63 (about 1.1e-19) in float32: below, L_kappa(delta) / kappa underflows "
+                         f"float32 (subnormals are flushed to zero: NaN or 0 losses), got {kappa!r}")
+    return k
+
+
 # ----------------------------------------------------------------------------------------------
 def expectile_loss(diff, expectile):
     """Asymmetric squared loss of IQL value learning, elementwise: ``|tau - 1{u < 0}| * u**2``.
@@ -69,13 +88,15 @@ def expectile_loss(diff, expectile):
 
     Raises:
       TypeError: diff is not a float32/bfloat16 array; expectile is neither a number nor a float array.
-      ValueError: a numeric expectile is outside (0, 1), NaN, or rounds to 0 or 1 in float32 (1 - 1e-9); an array
+      ValueError: a numeric (or concrete array) expectile is outside (0, 1), NaN, rounds to 0 or 1 in float32
+        (1 - 1e-9), or is subnormal there (below 2^-126 ~ 1.2e-38: flushed to 0 by XLA on CPU); an array
         expectile's shape is not [] or [diff.shape[-1]].
     """
     _check_float_array("diff", diff)
     if _is_python_number(expectile):
         if not in_open_unit_float32(expectile):
-            raise ValueError(f"expectile must be in (0, 1), also when rounded to float32, got {expectile!r}")
+            raise ValueError(f"expectile must be in (0, 1), also when rounded to float32 (and >= 2^-126, a normal "
+                             f"float32), got {expectile!r}")
         tau = jnp.float32(expectile)
     elif hasattr(expectile, "shape") and hasattr(expectile, "dtype"):
         if not jnp.issubdtype(expectile.dtype, jnp.floating):
@@ -86,8 +107,8 @@ def expectile_loss(diff, expectile):
                              f"{list(diff.shape[-1:])}, got {tuple(expectile.shape)}")
         if is_concrete(expectile):
             if not in_open_unit_float32(expectile):
-                raise ValueError(f"expectile must be in (0, 1), also when rounded to float32, got "
-                                 f"{np.asarray(expectile, np.float64).tolist()}")
+                raise ValueError(f"expectile must be in (0, 1), also when rounded to float32 (and >= 2^-126, a normal "
+                                 f"float32), got {np.asarray(expectile, np.float64).tolist()}")
         tau = expectile.astype(jnp.float32)
     else:
         raise TypeError(f"expectile must be a float or a float array, got {type(expectile).__name__}")
@@ -110,8 +131,9 @@ def quantile_embedding(taus, n_cos=64):
 
     Source: Dabney, Ostrovski, Silver & Munos 2018, "Implicit Quantile Networks for Distributional
     Reinforcement Learning", eq. (4): phi_j(tau) = ReLU(sum_{i=0}^{n-1} cos(pi i tau) w_ij + b_j).
-    dopamine's ``ImplicitQuantileNetwork`` uses i = 1 .. n instead (no constant feature); the
-    difference is one input column that the Linear's bias already spans.
+    dopamine's ``ImplicitQuantileNetwork`` uses i = 1 .. n instead: no constant feature (which the Linear's bias
+    already spans) but cos(pi n tau), which is not here; ``quantile_embedding(taus, n + 1)[..., 1:]`` is dopamine's
+    n features.
 
     Raises:
       TypeError: taus is not a float32/bfloat16 array.  ValueError: n_cos is not an int >= 1.
@@ -147,13 +169,14 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
       online_quantiles: [B, N] float32/bfloat16, Z_tau_i(s, a) of the online network.
       taus: [B, N] or [N] float32/bfloat16, the fractions tau_i the online values were taken at.
       target_quantiles: [B, N'] float32/bfloat16, the target samples (e.g. r + gamma Z'_tau'_j(s', a*)).
-      kappa: Huber threshold, a concrete real > 0 (a Python float or a 0-d array; IQN uses 1).
+      kappa: Huber threshold, a concrete real >= 2^-63 (~1.1e-19; below, float32 underflow gives NaN or 0 losses), a
+        Python float or a 0-d array, in the units of the quantile values (IQN uses 1).
       per_sample: return loss_b [B] instead of the batch mean.
 
     Returns:
       float32 scalar (mean over the batch), or [B] float32 when per_sample.
 
-    Source: Dabney et al. 2018 (IQN), eq. (3) and (10) (and QR-DQN, Dabney et al. 2017, eq. 10);
+    Source: Dabney et al. 2018 (IQN), eq. (3) and (10) (QR-DQN, Dabney et al. 2017, eq. 10, has no 1 / kappa);
     matches dopamine ``implicit_quantile_agent`` (divides by kappa, sums over online quantiles, means
     over target samples). rlax ``quantile_regression_loss`` does not divide by kappa: equal at
     kappa = 1. OPS.md "Losses".
@@ -162,8 +185,8 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
       TypeError: an input is not a float32/bfloat16 array; kappa is not a concrete real scalar (a bool, a string,
         a traced value).
       ValueError: wrong ranks or mismatched B/N (the message names the argument and both shapes); N' = 0
-        (a mean over no target samples); B = 0 without per_sample (a mean over no states); kappa <= 0 or
-        not finite.
+        (a mean over no target samples); B = 0 without per_sample (a mean over no states); kappa <= 0, not
+        finite, or below 2^-63 in float32.
       TypeError: per_sample is not a Python bool.
     """
     if not isinstance(per_sample, bool):
@@ -185,7 +208,7 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
     if B == 0 and not per_sample:
         raise ValueError("online_quantiles must have at least one row (the loss is a mean over the batch), got B = 0; "
                          "per_sample=True gives the empty [0] losses")
-    kappa = positive_float32("kappa", kappa)
+    kappa = _huber_kappa(kappa)
     f32 = jnp.float32
     z = online_quantiles.astype(f32)
     t = jnp.broadcast_to(taus.astype(f32), (B, N))

@@ -288,10 +288,13 @@ def test_config_number_fields_are_checked_by_make_aux():
                {"kappa": np.float64(2.0)}, {"lr": 0.0}, {"weight_decay": 0}):
         make_aux(SMALL, **ok)
     # kappa as the IQN loss checks it: 1e-46 (0 in float32) and 1e39 (inf) passed make_aux and failed only when
-    # iqn_step was traced, naming `kappa`
-    for bad in (1e-46, 1e39):
-        with pytest.raises(ValueError, match=r"^config\.kappa must be a positive finite float32"):
+    # iqn_step was traced, naming `kappa`; so did 1e-40 (subnormal) and 1e-30 (below 2^-63: the loss underflows)
+    for bad in (1e-46, 1e39, 1e-40):
+        with pytest.raises(ValueError, match=r"^config\.kappa must be a positive finite normal float32"):
             make_aux(SMALL, kappa=bad)
+    with pytest.raises(ValueError, match=r"^config\.kappa must be >= 2\^-63"):
+        make_aux(SMALL, kappa=1e-30)
+    make_aux(SMALL, kappa=2.0 ** -63)
 
 
 # ---------------------------------------------------------------- example and notebook

@@ -346,6 +346,8 @@ PARAM_ERRORS = [  # (params, exception, words in the message)
     (_with(_P, "w_phi", _P["w_phi"].astype(jnp.bfloat16)), TypeError, ["params['w_phi']", "float32", "bfloat16"]),
     (_with(_P, "w_h", _P["w_h"].astype(jnp.int32)), TypeError, ["params['w_h']", "float32", "int32"]),
     (_with(_P, "b_out", [0.0]), TypeError, ["params['b_out']", "list"]),
+    # not an array: TypeError as for every other parameter (w_phi, read first for K and H, gave a ValueError)
+    (_with(_P, "w_phi", [[0.0] * 16] * 8), TypeError, ["params['w_phi']", "array", "list"]),
 ]
 
 
@@ -613,6 +615,9 @@ def test_iqn_loss_argument_errors():
                                   np.asarray(f(params, psi, taus, y, 2.0)))
     assert_raises_naming(lambda: jax.jit(lambda k: f(params, psi, taus, y, k))(1.0), TypeError, "kappa")
     assert_raises_naming(lambda: f(params, psi, taus, y[:, :0]), ValueError, "target_quantiles")
+    # a kappa that underflows float32 (subnormals are flushed to zero): 1e-40 gave a NaN loss, 1e-30 dropped terms
+    assert_raises_naming(lambda: f(params, psi, taus, y, 1e-40), ValueError, "kappa", "normal float32")
+    assert_raises_naming(lambda: f(params, psi, taus, y, 1e-30), ValueError, "kappa", "2^-63")
     assert_raises_naming(lambda: f(params, psi[:0], taus[:0], y[:0]), ValueError, "psi")
 
 

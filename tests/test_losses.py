@@ -284,8 +284,8 @@ def test_enable_concurrent_command_buffers_in_fresh_process(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import os, jaxfox; jaxfox.enable_concurrent_command_buffers(); "
             "import jax.numpy as jnp; jnp.ones(2).block_until_ready(); print(os.environ['XLA_FLAGS'])")
-    env = dict(os.environ, XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=SERIALIZE --xla_cpu_use_thunk_runtime=true",
-               PYTHONPATH=root)
+    env = dict(os.environ, PYTHONPATH=root,
+               XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=SERIALIZE --xla_cpu_use_thunk_runtime=true")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     flags = out.stdout.split()
@@ -330,3 +330,71 @@ def test_quantile_huber_infinite_target_gives_the_bounded_gradient():
     w = np.abs(taus.astype(np.float64)[:, :, None] - (d < 0))
     want = -np.sum(w * np.clip(d, -kappa, kappa) / kappa, axis=2) / Np
     np.testing.assert_allclose(np.asarray(dz), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kappa", [1e-40, 1e-38, 1e-30, 1e-20, np.float32(1e-40), jnp.float32(1e-30)])
+def test_quantile_huber_kappa_that_underflows_float32_raises(kappa):
+    """XLA (CPU) flushes float32 subnormals to zero: kappa = 1e-40 gave NaN losses (0 / 0), 1e-38 NaN eagerly and 0
+    under jit, and kappa = 1e-30 at |delta| = 1e-9 a loss of 0 instead of 3e-10 (kappa (|delta| - kappa / 2) = 1e-39
+    -> 0). kappa < 2^-63 is now refused, naming kappa (a subnormal one as not a normal float32)."""
+    z = jnp.zeros((2, 3), jnp.float32)
+    with pytest.raises(ValueError, match=r"^kappa must be (>= 2\^-63|a positive finite normal float32)"):
+        jaxfox.quantile_huber_loss(z, jnp.full((3,), 0.3, jnp.float32), z + 1.0, kappa)
+
+
+def test_quantile_huber_smallest_kappa_matches_numpy():
+    """At kappa = 2^-63 (the smallest accepted) the losses match float64 NumPy up to 2^-63 absolute per term, for
+    TD errors in the quadratic region, just past kappa, and far in the linear region."""
+    kappa = 2.0 ** -63
+    z = jnp.zeros((1, 2), jnp.float32)
+    taus = jnp.asarray([0.3, 0.8], jnp.float32)
+    for d in (0.5 * kappa, 3 * kappa, 1e-9, -1e-9, 1.0):
+        y = jnp.full((1, 1), d, jnp.float32)
+        got = np.asarray(jaxfox.quantile_huber_loss(z, taus, y, kappa, per_sample=True))
+        want = np_quantile_huber(z, taus, np.asarray(y, np.float64), kappa)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=2 * 2.0 ** -63, err_msg=str(d))
+    with pytest.raises(ValueError, match="kappa"):
+        jaxfox.quantile_huber_loss(z, taus, y, np.nextafter(np.float32(kappa), np.float32(0)))
+
+
+@pytest.mark.parametrize("tau", [1e-40, np.float32(1e-40), np.asarray([0.5, 1e-40], np.float32)])
+def test_expectile_subnormal_in_float32_raises(tau):
+    """tau = 1e-40 is in (0, 1) also in float32, but subnormal: XLA (CPU) flushed it to 0, so the loss of u > 0 was 0
+    (u = 1e10: 0 instead of 1e-20) and its gradient 0 -- a one-sided loss, which the (0, 1) check exists to prevent."""
+    u = jnp.asarray([[1e10, -1.0]], jnp.float32)
+    with pytest.raises(ValueError, match=r"expectile must be in \(0, 1\).*2\^-126"):
+        jaxfox.expectile_loss(u, tau)
+    tiny = np.finfo(np.float32).tiny   # the smallest normal float32 is accepted and not flushed
+    got = np.asarray(jaxfox.expectile_loss(u, float(tiny) * 1e8))
+    np.testing.assert_allclose(got, np_expectile(u, np.float64(np.float32(tiny * 1e8))), rtol=1e-6)
+
+
+def test_quantile_huber_edge_values_match_numpy():
+    """|delta| exactly kappa, delta = 0, far in the linear region, and taus at 0 and 1: value and the gradients with
+    respect to the online quantiles and the targets against float64 NumPy from the equations (d rho / d delta =
+    |tau - 1{delta < 0}| clip(delta, -kappa, kappa) / kappa)."""
+    kappa = 0.5
+    z = jnp.zeros((1, 3), jnp.float32)
+    taus = jnp.asarray([0.0, 1.0, 0.25], jnp.float32)
+    y = jnp.asarray([[0.5, -0.5, 0.0, 2.0, -2.0]], jnp.float32)
+    loss, (dz, dy) = jax.value_and_grad(lambda a, b: jaxfox.quantile_huber_loss(a, taus, b, kappa), argnums=(0, 1))(
+        z, y)
+    d = np.asarray(y, np.float64)[:, None, :] - np.asarray(z, np.float64)[:, :, None]     # [1, N, N']
+    w = np.abs(np.asarray(taus, np.float64)[None, :, None] - (d < 0))
+    assert float(loss) == pytest.approx(float(np_quantile_huber(z, taus, y, kappa).mean()), rel=1e-6)
+    # by hand: huber/kappa at |d| = 0.5: 0.25; 0: 0; 2: 1.75. tau 0: 0.25 + 1.75 (d < 0); tau 1: 0.25 + 1.75
+    # (d > 0); tau 0.25: 0.25 * (0.25 + 1.75) + 0.75 * (0.25 + 1.75) = 2; sum 6, mean over N' = 5
+    assert float(loss) == pytest.approx(6.0 / 5, rel=1e-6)
+    slope = w * np.clip(d, -kappa, kappa) / kappa / d.shape[2]
+    np.testing.assert_allclose(np.asarray(dz), -slope.sum(axis=2), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(dy), slope.sum(axis=1), rtol=1e-6, atol=1e-7)
+
+
+def test_quantile_embedding_dopamine_features():
+    """The docstring's mapping: dopamine's n features cos(pi i tau), i = 1 .. n, are quantile_embedding(taus, n + 1)
+    without its constant column (float64 NumPy)."""
+    taus = RNG.uniform(size=(4, 3)).astype(np.float32)
+    n = 6
+    dopamine = np.cos(np.pi * np.arange(1, n + 1) * np.asarray(taus, np.float64)[..., None])
+    np.testing.assert_allclose(np.asarray(jaxfox.quantile_embedding(jnp.asarray(taus), n + 1))[..., 1:], dopamine,
+                               atol=2e-6)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfox._validate import real_scalar
+from jaxfox._validate import in_open_unit_float32, real_scalar
 
 
 @pytest.mark.parametrize("value", [0.25, 1, np.float32(0.25), np.int64(1), np.asarray(0.25), jnp.float32(0.25),
@@ -75,16 +75,36 @@ def test_traced_values_pass_unchecked_unless_refused():
         jax.jit(lambda v: real_scalar("x", v))(True)
 
 
+def test_subnormal_float32_constants_are_refused_because_xla_flushes_them():
+    """The premise of refusing subnormal constants (positive_float32, in_open_unit_float32): XLA flushes them to
+    zero, so a LayerNorm eps of 1e-44 gives NaN on a constant row, and an expectile of 1e-40 weighs u > 0 by 0."""
+    from jaxfox._validate import positive_float32
+
+    x = jnp.ones(4)
+    ln = jax.jit(lambda x, e: (x - x.mean()) * jax.lax.rsqrt(((x - x.mean()) ** 2).mean() + e))
+    assert np.isnan(np.asarray(ln(x, jnp.float32(1e-44)))).all()
+    assert np.isfinite(np.asarray(ln(x, jnp.float32(np.finfo(np.float32).tiny)))).all()
+    with pytest.raises(ValueError, match="^eps must be a positive finite normal float32"):
+        positive_float32("eps", 1e-44)
+    tiny = np.finfo(np.float32).tiny
+    for ok in (0.5, tiny, [0.7, 0.9], 1 - 2.0 ** -24):
+        assert in_open_unit_float32(ok), ok
+    for bad in (1e-40, [0.7, 1e-40], 0.0, 1.0, 1 - 1e-9, 1e-50, float("nan"), -0.5):
+        assert not in_open_unit_float32(bad), bad
+
+
 def test_positive_float32_is_a_positive_real_that_float32_keeps():
     from jaxfox._validate import positive_float32
 
-    for ok in (1e-5, 1, np.float32(3.0), jnp.float32(0.5), 1e-44, 3e38):
+    tiny = float(np.finfo(np.float32).tiny)  # 2^-126
+    for ok in (1e-5, 1, np.float32(3.0), jnp.float32(0.5), tiny, 3e38):
         assert positive_float32("eps", ok) == float(np.asarray(ok, np.float64))
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"^eps must be finite and in \(0, inf\)"):
             positive_float32("eps", bad)
-    for bad in (1e-46, 1e39):      # 0 and inf in float32, where the statistics / the loss are computed
-        with pytest.raises(ValueError, match=r"^eps must be a positive finite float32"):
+    # 0 and inf in float32, where the statistics / the loss are computed, and subnormals there (flushed to 0)
+    for bad in (1e-46, 1e39, 1e-44, float(np.nextafter(np.float32(tiny), np.float32(0)))):
+        with pytest.raises(ValueError, match=r"^eps must be a positive finite normal float32"):
             positive_float32("eps", bad)
     for bad in (True, "1e-5", None):
         with pytest.raises(TypeError, match="^eps must be a real scalar"):

@@ -53,7 +53,8 @@ import numpy as np
 import optax
 
 import jaxfox
-from jaxfox._validate import in_open_unit_float32, positive_float32, positive_int, real_scalar
+from jaxfox._validate import in_open_unit_float32, positive_int, real_scalar
+from jaxfox.losses import _huber_kappa
 
 __all__ = ["AuxConfig", "TrainerState", "AuxState", "AuxTrainers", "make_aux", "iql_init", "iql_values",
            "iqn_init", "iqn_quantiles", "attention_init", "attention_predict", "synthetic_batch"]
@@ -133,8 +134,8 @@ def _check_config(cfg: AuxConfig):
     for name, lo, hi, lo_open in (("target_tau", 0.0, 1.0, False), ("kappa", 0.0, None, True), ("lr", 0.0, None, False),
                                   ("weight_decay", 0.0, None, False), ("max_grad_norm", 0.0, None, False)):
         v = getattr(cfg, name)
-        if name == "kappa":  # as the IQN loss checks it: (0, inf), and neither 0 nor inf in float32
-            positive_float32("config.kappa", v)
+        if name == "kappa":  # as the IQN loss checks it (jaxfox.losses._huber_kappa)
+            _huber_kappa(v, "config.kappa")
         elif not (name == "max_grad_norm" and v is None):
             real_scalar(f"config.{name}", v, lo, hi, lo_open=lo_open, traced=False)
 
