@@ -303,7 +303,8 @@ sample_kernel(const float* __restrict__ prio, int64_t C, int64_t G, const int32_
   const float al = alpha[v], be = beta[v];
   const float total = rec[G].end;
   const int64_t last_pos = rec[G].last_pos;
-  const bool prioritized = total > 0.f;
+  // an infinite S (a q_i = inf, or the sum past float32 max) falls back to uniform draws, as the reference does
+  const bool prioritized = total > 0.f && isfinite(total);
   const float bf = static_cast<float>(B), nf = static_cast<float>(size[v]);
   const int64_t top = sz > 0 ? sz - 1 : 0;
   const float* ends = &rec[0].end;

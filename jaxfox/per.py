@@ -28,11 +28,12 @@ Deviations from the textbook formulas, all chosen so a zero-priority slot can ne
 * IS weights are computed as (q_min / q_k)^beta with q_min the smallest sampled q: the same value
   as the formula above (n and S cancel), no overflow, and the largest weight is exactly 1.
 
-Range: q_i and S must be finite in the work dtype. With alpha <= 1 that holds for any finite float32
+Range: q_i and S must be finite in the work dtype. In float32 that holds for alpha <= 1 and any finite
 priorities unless S itself passes ~3.4e38; with alpha > 1 a priority above float32 max^(1/alpha) (1e19 at
-alpha = 2) makes q_i = inf, and the draw then falls back to uniform over the filled slots (zero-priority ones
-included) with NaN-free weights of 1. Both paths follow this rule; keep priorities (e.g. |TD error| + eps)
-far below that bound.
+alpha = 2) makes q_i = inf (in float64, under ``jax_enable_x64``, the bound is float64 max^(1/alpha)). When q_i
+or S is not finite, every path (the float32 and float64 references and the CUDA sampler, ``ffi/per.cu``) falls
+back to uniform draws over the filled slots (zero-priority ones included) with weights of 1, and
+:func:`probabilities` to 1/size. Keep priorities (e.g. |TD error| + eps) far below the bound.
 
 On CUDA (float32 work dtype, i.e. ``jax_enable_x64`` off) the prefix sum and the draws run in
 ``ffi/per.cu``: a multi-block scan (tiles of 2048 items, float64 accumulation, each prefix rounded to
@@ -102,6 +103,22 @@ def _check_state(state, name="state"):
     return C
 
 
+def _check_key(key):
+    """A single PRNG key: a typed key of shape [] (``jax.random.key``) or a raw uint32 key ``[2]``
+    (``jax.random.PRNGKey``; JAX checks the length against the PRNG implementation)."""
+    dt = getattr(key, "dtype", None)
+    if dt is not None and jnp.issubdtype(dt, jax.dtypes.prng_key):
+        if tuple(key.shape) != ():
+            raise ValueError(f"key must be a single jax.random key (shape []), got a key array of shape "
+                             f"{tuple(key.shape)} (vmap over keys for several draws)")
+    elif dt is None or jnp.dtype(dt) != jnp.uint32:
+        what = f"an array of dtype {jnp.dtype(dt)}" if dt is not None else type(key).__name__
+        raise TypeError(f"key must be a jax.random key (jax.random.key(seed), or a uint32 [2] "
+                        f"jax.random.PRNGKey), got {what}")
+    elif len(key.shape) != 1:
+        raise ValueError(f"key must be a single raw uint32 key of shape [2], got shape {tuple(key.shape)}")
+
+
 # ----------------------------------------------------------------------------------------------
 def init(capacity: int, item_spec=None) -> PERState:
     """An empty buffer of ``capacity`` slots.
@@ -117,16 +134,22 @@ def init(capacity: int, item_spec=None) -> PERState:
 
     Raises:
       ValueError: capacity is not an int >= 1.
-      TypeError: an item_spec leaf has no shape/dtype.
+      TypeError: an item_spec leaf has no shape/dtype, or a 64-bit dtype (float64, int64, ...) while
+        ``jax_enable_x64`` is off (JAX would store it as the 32-bit type).
     """
     C = _positive_int("capacity", capacity)
     items = None
     if item_spec is not None:
         def alloc(path, spec):
+            where = f"item_spec{jax.tree_util.keystr(path)}"
             if not hasattr(spec, "shape") or not hasattr(spec, "dtype"):
-                raise TypeError(f"item_spec{jax.tree_util.keystr(path)} must be a jax.ShapeDtypeStruct, "
-                                f"got {type(spec).__name__}")
-            return jnp.zeros((C,) + tuple(spec.shape), spec.dtype)
+                raise TypeError(f"{where} must be a jax.ShapeDtypeStruct, got {type(spec).__name__}")
+            dt = jnp.dtype(spec.dtype)
+            canon = jax.dtypes.canonicalize_dtype(dt)
+            if canon != dt:  # JAX would allocate the narrower dtype, and add() would then refuse items of `dt`
+                raise TypeError(f"{where} is {dt} but jax_enable_x64 is off: the storage would be {canon}; "
+                                f"pass {canon} (or enable x64)")
+            return jnp.zeros((C,) + tuple(spec.shape), dt)
 
         items = jax.tree_util.tree_map_with_path(alloc, item_spec)
     return PERState(priorities=jnp.zeros((C,), jnp.float32), max_priority=jnp.ones((), jnp.float32),
@@ -330,8 +353,17 @@ def _searchable_prefix(q):
 
 def probabilities(state: PERState, *, alpha) -> jax.Array:
     """P(i) [C] float32 as :func:`sample` draws them: q_i / S (S from the same prefix sum), 0 for
-    unfilled or zero-priority slots; 1/size on every filled slot when all filled priorities are 0;
-    all zeros for an empty buffer.
+    unfilled or zero-priority slots; 1/size on every filled slot when all filled priorities are 0
+    (or q or S overflows, module docstring "Range"); all zeros for an empty buffer.
+
+    P(i) = p_i^alpha / sum_k p_k^alpha, Schaul et al. 2015, eq. 1 (section 3.3).
+
+    Args:
+      state: a :class:`PERState` of capacity C.
+      alpha: priority exponent >= 0 (scalar, may be traced).
+
+    Returns:
+      [C] float32, summing to 1 (up to rounding) over the filled slots unless the buffer is empty.
 
     Raises:
       TypeError/ValueError: as :func:`sample` for state and alpha.
@@ -348,7 +380,8 @@ def _probabilities_impl(priorities, size, alpha):
     total = _searchable_prefix(q)[-1]
     filled = jnp.arange(priorities.shape[0]) < size
     uniform = jnp.where(filled, 1.0 / jnp.maximum(size, 1).astype(q.dtype), 0.0)
-    return jnp.where(total > 0, q / jnp.where(total > 0, total, 1), uniform).astype(jnp.float32)
+    prioritized = (total > 0) & jnp.isfinite(total)  # inf/NaN total (q overflow): uniform, as sample
+    return jnp.where(prioritized, q / jnp.where(prioritized, total, 1), uniform).astype(jnp.float32)
 
 
 def sample(state: PERState, key, batch_size: int, *, alpha, beta):
@@ -356,27 +389,31 @@ def sample(state: PERState, key, batch_size: int, *, alpha, beta):
 
     Stratum k draws u_k = (k + r_k) / B * S and takes idx_k = first i with c_i > u_k over the
     prefix sum c of q = p^alpha on the filled slots (module docstring). A slot with priority 0 is
-    never drawn. When every filled priority is 0 the draw is uniform and stratified over the filled
-    slots, idx_k = floor((k + r_k) / B * size), with weights 1. On an empty buffer (traced size 0)
-    the indices are 0 and the weights 0.
+    never drawn. When every filled priority is 0 (or q overflows, module docstring "Range") the draw is
+    uniform and stratified over the filled slots, idx_k = floor((k + r_k) / B * size), with weights 1.
+    On an empty buffer (traced size 0) the indices are 0 and the weights 0.
 
     Args:
       state: a :class:`PERState`.
-      key: a ``jax.random`` key.
+      key: one ``jax.random`` key: ``jax.random.key(seed)`` (shape []) or a uint32 [2] ``PRNGKey``.
       batch_size: B >= 1 (static).
       alpha: priority exponent >= 0 (scalar, may be traced).
       beta: importance-sampling exponent in [0, 1] (scalar, may be traced; see :func:`beta_schedule`).
 
     Returns:
-      (indices [B] int32 in [0, size), weights [B] float32 in (0, 1] with max exactly 1).
-      w_k = (n P(idx_k))^(-beta) / max_j (n P(idx_j))^(-beta), n = size, computed as (q_min/q_k)^beta.
+      (indices [B] int32 in [0, size), weights [B] float32 in [0, 1] with max exactly 1).
+      w_k = (n P(idx_k))^(-beta) / max_j (n P(idx_j))^(-beta), n = size, computed as (q_min/q_k)^beta
+      (Schaul et al. 2015, section 3.4, normalised over the sampled batch). Every weight is > 0 unless it is
+      below float32's smallest subnormal (a sampled ratio (q_k / q_min)^beta above ~1e45): then it rounds to 0.
 
     Raises:
-      TypeError: state is not a PERState, alpha/beta are not numeric scalars (a bool or bool array is refused).
-      ValueError: batch_size is not an int >= 1; alpha/beta arrays of shape other than []; concrete alpha < 0
-        or beta outside [0, 1]; the buffer is empty (concrete size 0).
+      TypeError: state is not a PERState, key is not a PRNG key, alpha/beta are not numeric scalars (a bool or
+        bool array is refused).
+      ValueError: a key array of shape other than []; batch_size is not an int >= 1; alpha/beta arrays of shape
+        other than []; concrete alpha < 0 or beta outside [0, 1]; the buffer is empty (concrete size 0).
     """
     _check_state(state)
+    _check_key(key)
     B = _positive_int("batch_size", batch_size)
     _real_scalar("alpha", alpha, 0.0)
     _real_scalar("beta", beta, 0.0, 1.0)
@@ -421,7 +458,9 @@ def _sample_reference(priorities, size, r, alpha, beta):
     idx_p = jnp.minimum(jnp.searchsorted(c, frac * total, side="right").astype(jnp.int32), last_pos)
     n = state.size.astype(dt)
     idx_u = jnp.clip(jnp.floor(frac * n).astype(jnp.int32), 0, jnp.maximum(state.size - 1, 0))
-    prioritized = total > 0
+    # a non-finite total (q_i or S overflowed the work dtype: NaN from the float32 double-float scan, inf from the
+    # float64 cumsum) falls back to uniform draws (module docstring "Range")
+    prioritized = (total > 0) & jnp.isfinite(total)
     idx = jnp.where(prioritized, idx_p, idx_u).astype(jnp.int32)
     q_sel = q[idx]
     q_min = jnp.min(q_sel)
@@ -470,9 +509,9 @@ def update(state: PERState, indices, priorities) -> PERState:
     ``max_priority`` becomes the max of itself and the written priorities.
 
     Invalid values: concrete (non-traced) inputs raise. Under ``jit`` they cannot raise; then a
-    priority that is negative, NaN or +-Inf is stored as 0 (that slot is never sampled again until
-    it is overwritten or updated, and ``max_priority`` stays finite), and an index outside
-    [0, C) is ignored.
+    priority that is negative, NaN or +-Inf (also a float64 value beyond float32's range, Inf once
+    stored) is stored as 0 (that slot is never sampled again until it is overwritten or updated, and
+    ``max_priority`` stays finite), and an index outside [0, C) is ignored.
 
     Args:
       state: a :class:`PERState`.

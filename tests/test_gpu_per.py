@@ -162,6 +162,21 @@ def test_draws_rounding_up_to_the_total_hit_the_last_positive_slot():
         np.testing.assert_array_equal(idx, idx_r)
 
 
+def test_overflowing_scores_fall_back_to_uniform_like_the_reference():
+    """q = p^alpha = inf (1e38^10) or S past float32 max (3e38 + 3e38): uniform stratified draws over the filled slots
+    with weights 1, as on the reference path (per.py docstring "Range"); the sampler once tested only S > 0, which
+    sent every draw to the last positive slot."""
+    for p, alpha in (([1e38, 0.0, 3.0, 4.0], 10.0), ([3e38, 0.0, 3e38, 1.0], 1.0)):
+        s = filled_state(p, capacity=5)
+        idx, w = kernel_sample(s, jax.random.key(3), 8, alpha, 0.7)
+        idx_r, w_r = reference_sample(s, jax.random.key(3), 8, alpha, 0.7)
+        # floor((k + r_k) / B * size) with B = 8, size = 4 is k // 2 for every r_k in [0, 1)
+        np.testing.assert_array_equal(idx, np.arange(8) // 2)
+        np.testing.assert_array_equal(idx, idx_r)
+        np.testing.assert_array_equal(w, np.ones(8, np.float32))
+        np.testing.assert_array_equal(w_r, np.ones(8, np.float32))
+
+
 def test_kernels_are_in_the_program_and_deterministic():
     p = np.random.default_rng(8).lognormal(0, 1, 1000003).astype(np.float32)
     s = filled_state(p)

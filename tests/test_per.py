@@ -554,3 +554,59 @@ def test_corrupt_size_and_float64_without_x64_raise():
         with pytest.raises(TypeError, match="^x is float64 but jax_enable_x64 is off"):
             per.prefix_sum(np.ones(4, np.float64))
     np.testing.assert_array_equal(np.asarray(per.prefix_sum(np.ones(4, np.float32))), [1, 2, 3, 4])
+
+
+def test_init_refuses_64bit_item_spec_without_x64():
+    """A float64 / int64 item_spec leaf with x64 off was stored as float32 / int32 silently, and add() then refused
+    items of the dtype the spec asked for ("must be float32, got float64"). It raises at init, naming the leaf."""
+    for dt, canon in ((np.float64, "float32"), (np.int64, "int32")):
+        for spec in (jax.ShapeDtypeStruct((3,), dt), np.zeros((3,), dt)):
+            with pytest.raises(TypeError, match=rf"^item_spec\['o'\] is {np.dtype(dt).name} but jax_enable_x64 is "
+                                                rf"off: the storage would be {canon}"):
+                per.init(4, {"o": spec})
+    with jax.enable_x64(True):  # with x64 the storage has the asked dtype and keeps float64 values exactly
+        s = per.init(4, {"o": jax.ShapeDtypeStruct((3,), jnp.float64)})
+        x = np.array([[1 + 2.0 ** -40, 2.0, 3.0], [4.0, 5.0, 1e300]])
+        s = per.add(s, {"o": jnp.asarray(x)})
+        got = np.asarray(s.items["o"])
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got[:2], x)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_overflowing_scores_fall_back_to_uniform_on_both_reference_paths(x64):
+    """q = p^alpha = inf (1e38^10) or S beyond the float32 range: the module docstring's rule is uniform
+    stratified draws over the filled slots, weights 1, P = 1/size. Under x64 the float64 cumsum gave S = inf,
+    which passed the `total > 0` test: every draw went to the last positive slot and probabilities were NaN."""
+    cases = [([1e38, 0.0, 3.0, 4.0], 10.0)]  # q_0 overflows float32 and float64
+    if not x64:
+        cases.append(([3e38, 0.0, 3e38, 1.0], 1.0))  # finite q, S > float32 max
+    for p, alpha in cases:
+        with jax.enable_x64(x64):
+            s = filled_state(p, capacity=5)
+            idx, w = many_samples(s, jax.random.key(3), 8, 50, alpha, 0.7)
+            probs = np.asarray(per.probabilities(s, alpha=alpha))
+        # oracle: idx_k = floor((k + r_k) / B * size) with B = 8, size = 4 is k // 2 for every r_k in [0, 1)
+        np.testing.assert_array_equal(np.asarray(idx), np.broadcast_to(np.arange(8) // 2, (50, 8)))
+        np.testing.assert_array_equal(np.asarray(w), 1.0)
+        np.testing.assert_array_equal(probs, [0.25, 0.25, 0.25, 0.25, 0.0])
+
+
+def test_sample_key_must_be_one_prng_key():
+    """A seed, a batch of keys or a non-key array gave JAX errors that did not name the argument."""
+    s = filled_state([1.0, 2.0])
+    for bad, err, msg in ((0, TypeError, r"^key must be a jax.random key .* got int$"),
+                          (jnp.zeros(2, jnp.int32), TypeError,
+                           r"^key must be a jax.random key .* got an array of dtype int32"),
+                          ("k", TypeError, r"^key must be a jax.random key .* got str$"),
+                          (jax.random.split(jax.random.key(0), 2), ValueError,
+                           r"^key must be a single jax.random key \(shape \[\]\), got a key array of shape \(2,\)"),
+                          (jax.random.split(jax.random.PRNGKey(0), 2), ValueError,
+                           r"^key must be a single raw uint32 key of shape \[2\], got shape \(2, 2\)")):
+        with pytest.raises(err, match=msg):
+            per.sample(s, bad, 2, alpha=0.6, beta=0.4)
+    # both key kinds draw the same stratified slots (B = 2, equal masses: one slot per stratum)
+    for key in (jax.random.key(0), jax.random.PRNGKey(0)):
+        idx, w = per.sample(filled_state([1.0, 1.0]), key, 2, alpha=1.0, beta=0.4)
+        np.testing.assert_array_equal(np.asarray(idx), [0, 1])
+        np.testing.assert_array_equal(np.asarray(w), 1.0)
