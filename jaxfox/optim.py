@@ -157,15 +157,19 @@ def default_decay_mask(params):
     """The default weight-decay mask: decay leaves with ndim >= 2 (weight matrices), not biases,
     LayerNorm scales/offsets or other vectors and scalars.
 
-    For a :class:`FlatParams` the rule is applied to the leaves of its view and the result is a
-    FlatParams whose ``flat`` is an elementwise bool mask [P]. Otherwise a pytree of Python bools.
+    For a :class:`FlatParams` (the whole of ``params`` or any subtree of it) the rule is applied to the
+    leaves of its view and the result is a FlatParams whose ``flat`` is an elementwise bool mask [P]
+    (its own ``flat`` is 1-D, which the rule would never decay). Other leaves get a Python bool.
     """
-    if isinstance(params, FlatParams):
-        layout = params.layout
+    def leaf(p):
+        if not isinstance(p, FlatParams):
+            return len(np.shape(p)) >= 2
+        layout = p.layout
         parts = [np.full(n, len(shape) >= 2) for shape, n in zip(layout.shapes, layout.sizes)]
         flat = np.concatenate(parts) if parts else np.zeros((0,), bool)
         return FlatParams(jnp.asarray(flat), layout)
-    return jax.tree.map(lambda p: len(np.shape(p)) >= 2, params)
+
+    return jax.tree.map(leaf, params, is_leaf=lambda x: isinstance(x, FlatParams))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +307,8 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
       learning_rate: float, or an optax schedule count -> lr (called with the step count before
         the increment, 0 at the first update, like ``optax.scale_by_learning_rate``).
       b1, b2: moment decay rates in [0, 1), and < 1 as float32 (1 - 2^-25 <= b < 1 is 1 there).
-      eps: >= 0, added to sqrt(v_hat).
+      eps: >= 0, added to sqrt(v_hat). With eps = 0 an entry whose gradients have all been 0 gets
+        0 / 0 = NaN (as in optax).
       weight_decay: decoupled decay rate >= 0, multiplied by the learning rate.
       (learning_rate, b1, b2, eps, weight_decay and max_grad_norm may also be 0-d float or integer arrays,
       traced ones included, so ``optax.inject_hyperparams(fused_adamw)(learning_rate=...)`` works; concrete values are
@@ -318,7 +323,9 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         ``jax.tree.leaves`` order, as ``optax.flatten`` does) instead of trees like params. ``update`` then
         ravels the gradients and params, computes the update on one flat buffer and splits it back into the
         leaves (``optax.flatten(optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...)))``'s
-        operations: XLA fuses the norm and the moments into a few kernels, not a set per leaf).
+        operations: XLA fuses the norm and the moments into a few kernels, not a set per leaf). ``mask`` still
+        applies to the leaves of params (a callable gets the tree of updates), whereas optax.flatten hands
+        its mask the flat vector.
 
     Returns:
       A :class:`FusedAdamW` (an ``optax.GradientTransformation``); ``init(params)`` gives a
@@ -363,7 +370,8 @@ def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 
         if flatten_moments:
             layout = _layout_of(params)
             zeros = FlatParams(jnp.zeros((layout.size,), jnp.float32), layout)
-            return FusedAdamWState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=FlatParams(jnp.copy(zeros.flat), layout))
+            return FusedAdamWState(count=jnp.zeros([], jnp.int32), mu=zeros,
+                                   nu=FlatParams(jnp.copy(zeros.flat), layout))
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         return FusedAdamWState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros))
 
@@ -520,9 +528,10 @@ def ema_update(target, online, tau):
     with ``jnp.where`` on tau (for a concrete Python tau of exactly 0 or 1 the leaves are returned
     without computation). For 0 < tau < 1 the result is ``tau * online + (1 - tau) * target`` in the
     leaf dtype, computed in float32 for narrower leaves (bfloat16, float16) and rounded once, so tau is
-    never rounded to the leaf dtype (two products and a sum, each rounded; never ``target + tau * (online - target)``,
+    never rounded to the leaf dtype (two products and a sum, never ``target + tau * (online - target)``,
     which breaks the tau = 0 identity for target = -0.0 and overflows for opposite-sign values near
-    the float max). NaN/Inf propagate there.
+    the float max). Eagerly each operation is rounded; under ``jit`` XLA CPU contracts one product and the
+    sum into an FMA, so jitted and eager results may differ by 1 ulp. NaN/Inf propagate there.
 
     Args:
       target: pytree of float arrays (theta').

@@ -761,7 +761,8 @@ def test_step_kernel_path_mask_modes_and_fallbacks(monkeypatch):
     # an elementwise mask -> 2 with the leaf's bool mask
     L = len(jax.tree.leaves(tree))
     elementwise = lambda p: jax.tree.map(lambda x: jnp.arange(x.size).reshape(x.shape) % 2 == 0, p)  # noqa: E731
-    for kw, mode in ((dict(weight_decay=0.0), 0), (dict(mask=False), 0), (dict(mask=True), 1), (dict(mask=elementwise), 2)):
+    for kw, mode in ((dict(weight_decay=0.0), 0), (dict(mask=False), 0), (dict(mask=True), 1),
+                     (dict(mask=elementwise), 2)):
         t = optim.fused_adamw(1e-3, **kw)
         (call,) = _adamw_calls(_lower_step(t, gtree, t.init(tree), tree))
         assert f"mask_modes = dense<{mode}> : tensor<{L}xi64>" in call, call
@@ -883,3 +884,29 @@ def test_nn_optimizer_falls_back_to_nnx_optimizer_without_step():
         upd(m2, o2, grads)
     _bits_equal(nnx.state(m1, nnx.Param), nnx.state(m2, nnx.Param))
     assert int(o1.step[...]) == 3
+
+
+def test_default_mask_decays_the_matrices_inside_a_nested_flatparams():
+    """A FlatParams inside a larger tree (e.g. {"net": FlatParams, "head": ...}) was one 1-D leaf [P] to the
+    ndim >= 2 rule, so none of its weight matrices were decayed. Oracle: np_adamw per leaf of the view."""
+    rng = np.random.default_rng(4)
+    inner = {"w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=4), jnp.float32)}
+    params = {"net": optim.FlatParams.from_tree(inner), "w2": jnp.asarray(rng.normal(size=(2, 2)), jnp.float32)}
+    mask = optim.default_decay_mask(params)
+    np.testing.assert_array_equal(np.asarray(mask["net"].flat), [False] * 4 + [True] * 12)  # leaves b, w
+    assert mask["w2"] is True
+    grads = [{"net.w": rng.normal(size=(3, 4)), "net.b": rng.normal(size=4), "w2": rng.normal(size=(2, 2))}
+             for _ in range(5)]
+    grads = [{k: v.astype(np.float32) for k, v in g.items()} for g in grads]
+    for flat_m in (False, True):
+        tx = optim.fused_adamw(1e-2, weight_decay=0.5, max_grad_norm=1.0, flatten_moments=flat_m)
+        p, st = params, tx.init(params)
+        for g in grads:
+            gt = {"net": optim.FlatParams(optim.flatten({"w": g["net.w"], "b": g["net.b"]})[0], params["net"].layout),
+                  "w2": jnp.asarray(g["w2"])}
+            p, st = tx.step(gt, st, p)
+        want = np_adamw({"net.w": inner["w"], "net.b": inner["b"], "w2": params["w2"]}, grads, lambda c: 1e-2,
+                        0.9, 0.999, 1e-8, 0.5, {"net.w": True, "net.b": False, "w2": True}, 1.0)
+        got = {"net.w": p["net"].tree["w"], "net.b": p["net"].tree["b"], "w2": p["w2"]}
+        for k in want:
+            np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5, atol=1e-6, err_msg=k)
