@@ -28,8 +28,9 @@ On CUDA, ``ffi/c51.cu`` (target ``jaxfox_c51_loss``) computes the forward pass a
 wrt logits_tm1 in one kernel (block per sample, a warp per branch; argmax, target softmax,
 projection, log-softmax, cross-entropy and softmax - m); the backward pass only scales that saved
 gradient by the cotangent / D. Branch losses are summed in order d = 0 .. D-1, then divided by D.
-Elsewhere (and for N > 1024 atoms or B = 0) the pure-JAX reference below runs; it is the contract
-the kernel matches to float32 rounding (near-exact argmax ties may resolve differently).
+Elsewhere (and for B = 0, N > 1024 atoms, or D so large that the kernel's min(D, 4) * 2N + D floats of
+shared memory exceed the device's limit) the pure-JAX reference below runs; it is the contract the kernel
+matches to float32 rounding (near-exact argmax ties may resolve differently).
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfox._ffi import dispatch, ffi_call as _ffi_call, psum_to_match
+from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match,
+                         smem_per_block_limit)
 from jaxfox._validate import is_concrete as _is_concrete
 
 __all__ = ["branching_dueling_logits", "categorical_projection", "categorical_double_q_loss"]
 
 _LOGIT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _SUPPORT_RTOL = 1e-5     # spacing of the support must be uniform to this, relative to dz ...
-_SUPPORT_ULPS = 4        # ... plus this many float32 ulps of max|z| (rounding of a float32 linspace)
+_SUPPORT_ULPS = 4        # ... plus this many float32 epsilons (2^-23) times max|z| (rounding of a float32 linspace)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,6 +168,19 @@ def _loss_reference(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_
 # ----------------------------------------------------------------------------------------------
 # CUDA kernel path (jaxfox_c51_loss): forward and the saved gradient in one launch.
 _KERNEL_MAX_ATOMS = 1024
+_KERNEL_MAX_BRANCHES = 65536
+_KERNEL_MAX_WARPS = 4     # ffi/c51.cu kMaxWarps
+
+
+def _kernel_takes(B, D, N):
+    """Whether ffi/c51.cu runs these sizes rather than returning InvalidArgument at run time: N <= 1024,
+    D <= 65536, B < 2^31 and its dynamic shared memory, min(D, 4) * 2N + D floats (ffi/c51.cu Launch), within
+    the opt-in limit per block of the device (9.0's when no CUDA device is visible, tracing for CUDA elsewhere)."""
+    if N > _KERNEL_MAX_ATOMS or D > _KERNEL_MAX_BRANCHES or B >= 2**31:
+        return False
+    cc = cuda_compute_capability()
+    smem = 4 * (min(D, _KERNEL_MAX_WARPS) * 2 * N + D)
+    return smem <= smem_per_block_limit(cc if cc is not None else (9, 0))
 
 
 def _c51_call(with_grad, logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
@@ -206,14 +221,17 @@ def _loss_kernel(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_o
     loss = _loss_kernel_f32(logits_tm1.astype(f32), a_tm1.astype(jnp.int32), r, discount,
                             sg(logits_t_target.astype(f32)), sg(logits_t_online.astype(f32)), sg(support.astype(f32)))
     # The kernel clamps r + discount z with fmaxf/fminf, which map NaN to v_min (a finite loss); the reference's
-    # projection propagates it. A NaN reward or discount makes that sample's loss and gradient NaN here too.
-    return loss * jnp.where(jnp.isnan(r) | jnp.isnan(discount), jnp.nan, 1.0).astype(f32)
+    # projection propagates it. Where r + discount z_j is NaN for some j (a NaN reward or discount, or inf * 0,
+    # inf - inf with an infinite discount), that sample's loss and gradient are NaN here too.
+    z = sg(support.astype(f32))
+    nan_tz = jnp.any(jnp.isnan(r[..., None] + discount[..., None] * z), axis=-1)
+    return loss * jnp.where(nan_tz, jnp.nan, 1.0).astype(f32)
 
 
 def _loss_dispatch(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
     B, D, A, N = logits_tm1.shape
     args = (logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support)
-    if B == 0 or N > _KERNEL_MAX_ATOMS:
+    if B == 0 or not _kernel_takes(B, D, N):
         return _loss_reference(*args)
     return dispatch(_loss_kernel, _loss_reference, *args, batch=(True,) * 6 + (False,))
 
@@ -261,14 +279,19 @@ def categorical_projection(support, probs, r, discount):
     Tz[b, j] = clip(r[b] + discount[b] z_j, z_0, z_{N-1}), dz = (z_{N-1} - z_0) / (N - 1).
     As dopamine ``project_distribution`` (no floor/ceil: an atom landing exactly on a support point
     keeps its mass; atoms beyond [z_0, z_{N-1}] go to the end atoms). When probs sums to 1, m sums
-    to 1 up to float32 rounding and m >= 0.
+    to 1 up to float32 rounding and m >= 0. Non-finite values: r = +-inf with a finite discount puts the
+    mass on the end atom (Tz is clipped); where r[b] + discount[b] z_j is NaN for some j (a NaN r or
+    discount, or inf * 0 from an infinite discount), row m[b] is all NaN (the clip propagates NaN;
+    nothing is checked or raised).
 
     Args:
-      support: z [N] floating (used as float32), strictly increasing and uniformly spaced (to 1e-5
-        relative to dz plus 4 float32 ulps of max|z|), N >= 2. Values are checked only when the
-        array is concrete (not traced under jit/vmap).
+      support: z [N] floating (used as float32; the return's units), strictly increasing and uniformly
+        spaced (|z_{k+1} - z_k - dz| <= 1e-5 dz + 4 * 2^-23 * max|z|), N >= 2, so v_min = z_0 < v_max =
+        z_{N-1}. Values are checked only when the array is concrete (not traced under jit/vmap); a traced
+        support is used as given.
       probs: [B, N] float32 or bfloat16, probabilities over the atoms z_j.
-      r: [B] floating, rewards.  discount: [B] floating, gamma * (1 - done).
+      r: [B] floating, rewards (the units of z).  discount: [B] floating, gamma * (1 - done) (0 at
+        terminal transitions: all mass goes to the one or two atoms nearest clip(r)).
 
     Returns:
       m [B, N] float32. Differentiable in probs, r and discount (piecewise linear in r, discount).
@@ -305,12 +328,16 @@ def categorical_double_q_loss(logits_tm1, a_tm1, r_t, discount_t, logits_t_targe
       a_tm1: [B, D] integer dtype, the action taken in each branch, in [0, A). Concrete arrays are
         checked (ValueError; a host read of a device array); traced ones (under jit/vmap) cannot
         raise and are clipped into [0, A) with ``jnp.clip``.
-      r_t: [B] floating, reward.  discount_t: [B] floating, gamma * (1 - done).
+      r_t: [B] floating, reward (the units of z).  discount_t: [B] floating, gamma * (1 - done) (0 at
+        terminal transitions). Where r_t[b] + discount_t[b] z_j is NaN for some j (a NaN reward or
+        discount, or inf * 0 from an infinite discount), loss[b] and its gradient are NaN, on every
+        path (nothing is checked or raised); r_t = +-inf with a finite discount puts the target mass
+        on the end atom.
       logits_t_target: [B, D, A, N] float32 or bfloat16, target-network logits at s_t.
       logits_t_online: [B, D, A, N] float32 or bfloat16, online-network logits at s_t (action
         selection only).
-      support: z [N] floating, strictly increasing and uniformly spaced (to 1e-5 relative to dz plus
-        4 float32 ulps of max|z|), N >= 2; values checked when concrete.
+      support: z [N] floating, strictly increasing and uniformly spaced (as in
+        :func:`categorical_projection`), N >= 2; values checked when concrete.
 
     Returns:
       loss [B] float32 (nats), for the optimiser (take the mean) and as PER priorities.

@@ -416,7 +416,8 @@ def grouped_matmul(xs, ws, bs=None, *, precision=None) -> list:
     Raises:
       TypeError: xs/ws/bs are not lists or tuples, an entry is not a float32/bfloat16 array.
       ValueError: xs and ws (or bs) have different lengths, G = 0, or a shape does not match
-        (the message names the argument and the group, e.g. ``ws[1]``, with expected and actual shape).
+        (the message names the argument and the group, e.g. ``ws[1]``, with expected and actual shape);
+        a precision that ``jnp.dot`` does not take (its own message).
     """
     xs, ws = _seq("xs", xs), _seq("ws", ws)
     G = len(xs)

@@ -395,7 +395,17 @@ def test_gradient_flows_to_bf16_logits_and_the_loss_is_float32():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
     g = jax.grad(lambda lt: categorical_double_q_loss(lt, *(bf[k] for k in (
         "a_tm1", "r_t", "discount_t", "logits_t_target", "logits_t_online", "support"))).sum())(bf["logits_tm1"])
-    assert g.dtype == jnp.bfloat16 and np.abs(np.asarray(g, np.float32)).sum() > 0
+    assert g.dtype == jnp.bfloat16
+    # (softmax - m) / D at the taken action (float64, from the bf16-rounded logits), zero elsewhere; bf16 rounding.
+    keys = ("logits_tm1", "a_tm1", "r_t", "discount_t", "logits_t_target", "logits_t_online")
+    _, m = np_loss(*(np.asarray(up[k]) for k in keys), inp["support"])
+    lt64 = np.asarray(up["logits_tm1"], np.float64)
+    want_g = np.zeros(lt64.shape)
+    for b in range(4):
+        for d in range(2):
+            a = inp["a_tm1"][b, d]
+            want_g[b, d, a] = (np_softmax(lt64[b, d, a]) - m[b, d]) / 2
+    np.testing.assert_allclose(np.asarray(g, np.float64), want_g, rtol=2.0 ** -7, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,6 +554,7 @@ def test_projection_and_dueling_errors_name_the_argument():
 # jit / vmap composition.
 def test_jit_matches_eager_and_clips_traced_out_of_range_actions():
     inp = make_inputs(8, 3, 5, 51, seed=70)
+    assert min_argmax_gap(inp["logits_t_online"], inp["support"]) > 1e-4
     args = {k: jnp.asarray(v) for k, v in inp.items()}
     eager = categorical_double_q_loss(**args)
     jitted = jax.jit(categorical_double_q_loss)(**args)                # support traced: value checks skipped
@@ -556,8 +567,9 @@ def test_jit_matches_eager_and_clips_traced_out_of_range_actions():
     f = jax.jit(functools.partial(categorical_double_q_loss, support=args["support"]))
     got = f(**{k: v for k, v in args.items() if k != "support"} | {"a_tm1": jnp.asarray(bad)})
     clipped = np.clip(bad, 0, 4).astype(np.int32)
-    want = categorical_double_q_loss(**{**args, "a_tm1": jnp.asarray(clipped)})
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    want, _ = np_loss(inp["logits_tm1"], clipped, inp["r_t"], inp["discount_t"], inp["logits_t_target"],
+                      inp["logits_t_online"], inp["support"])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(got)[:3], np.asarray(eager)[:3])   # the clipping changed something
 
 
@@ -577,7 +589,16 @@ def test_vmap_over_a_leading_axis_matches_slices():
     # vmap + jit + grad compose.
     g = jax.jit(jax.grad(lambda lt: fn(lt, *(stacked[k] for k in (
         "a_tm1", "r_t", "discount_t", "logits_t_target", "logits_t_online"))).sum()))(stacked["logits_tm1"])
-    assert g.shape == stacked["logits_tm1"].shape and np.isfinite(np.asarray(g)).all()
+    assert g.shape == stacked["logits_tm1"].shape
+    for v in range(V):                  # d sum / d logits_tm1 = (softmax - m) / D at the taken action, else 0
+        _, m = np_loss(*(ins[v][k] for k in ("logits_tm1", "a_tm1", "r_t", "discount_t", "logits_t_target",
+                                             "logits_t_online")), Z51)
+        want = np.zeros((4, 2, 3, 51))
+        for b in range(4):
+            for d in range(2):
+                a = ins[v]["a_tm1"][b, d]
+                want[b, d, a] = (np_softmax(ins[v]["logits_tm1"][b, d, a]) - m[b, d]) / 2
+        np.testing.assert_allclose(np.asarray(g[v]), want, rtol=1e-5, atol=1e-6)
 
 
 def test_empty_batch():
@@ -618,3 +639,84 @@ def test_kernel_path_nan_reward_or_discount_gives_nan_like_the_reference(monkeyp
     assert np.isnan(np.asarray(g)[bad]).all()
     np.testing.assert_allclose(np.asarray(loss)[~bad], np.asarray(want_loss)[~bad], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(g)[~bad], np.asarray(want_g)[~bad], rtol=1e-5, atol=1e-7)
+
+
+def _fake_kernel_call():
+    """A stand-in for the FFI call with ffi/c51.cu's clamp: fminf/fmaxf read a NaN r + discount z_j as v_min, so its
+    loss is finite where the reference's is NaN (modelled by nan_to_num before the clip)."""
+    def fake_call(with_grad, logits_tm1, a_tm1, r_t, discount_t, target, online, support):
+        def ref(lt):
+            z, N = support, support.shape[0]
+            tz = jnp.clip(jnp.nan_to_num(r_t[:, None] + discount_t[:, None] * z, nan=z[0]), z[0], z[-1])
+            bpos = (tz - z[0]) / ((z[-1] - z[0]) / (N - 1))
+            w = jnp.clip(1.0 - jnp.abs(bpos[:, None, :] - jnp.arange(N, dtype=jnp.float32)[:, None]), 0.0, 1.0)
+            q = jnp.sum(jax.nn.softmax(online, -1) * z, -1)
+            p = jax.nn.softmax(jnp.take_along_axis(target, jnp.argmax(q, -1)[..., None, None], 2)[:, :, 0], -1)
+            m = jnp.einsum("bij,bdj->bdi", w, p)
+            chosen = jnp.take_along_axis(lt, a_tm1[..., None, None], 2)[:, :, 0]
+            return jnp.mean(-jnp.sum(m * jax.nn.log_softmax(chosen, -1), -1), -1)
+        loss, vjp = jax.vjp(ref, logits_tm1)
+        delta = vjp(jnp.ones_like(loss))[0] * logits_tm1.shape[1] if with_grad else jnp.zeros((0,), jnp.float32)
+        return loss, delta
+    return fake_call
+
+
+def test_kernel_path_nan_target_atoms_from_an_infinite_discount_give_nan_like_the_reference(monkeypatch):
+    """discount_t = inf (inf * z_j = NaN at the atom z_j = 0), or r_t = +inf with discount_t = +inf (inf - inf at
+    the negative atoms): the reference's Tz has a NaN, so its loss and gradient for that sample are NaN; the kernel's
+    clamp read it as v_min (a finite loss). The kernel path must give NaN there too; r_t = +inf with a finite
+    discount is finite on both (all target mass on the last atom), and the other samples keep their values."""
+    import jaxfox.c51 as c51_mod
+
+    rng = np.random.default_rng(4)
+    B, D, A, N = 5, 2, 3, 11
+    logits = [jnp.asarray(rng.normal(size=(B, D, A, N)), jnp.float32) for _ in range(3)]
+    a = jnp.asarray(rng.integers(0, A, size=(B, D)), jnp.int32)
+    r = jnp.asarray([0.5, 1.0, np.inf, np.inf, -2.0], jnp.float32)
+    disc = jnp.asarray([0.9, np.inf, np.inf, 0.5, 0.0], jnp.float32)
+    bad = np.array([False, True, True, False, False])
+    f = lambda l0: categorical_double_q_loss(l0, a, r, disc, logits[1], logits[2], Z11)  # noqa: E731
+    monkeypatch.setattr(c51_mod, "_c51_call", _fake_kernel_call())
+    monkeypatch.setattr(c51_mod, "dispatch", lambda kernel, reference, *args, **_: kernel(*args))
+    loss, vjp = jax.vjp(f, logits[0])
+    (g,) = vjp(jnp.ones(B, jnp.float32))
+    monkeypatch.undo()
+    want_loss, want_vjp = jax.vjp(f, logits[0])                    # the reference
+    (want_g,) = want_vjp(jnp.ones(B, jnp.float32))
+    assert np.isnan(np.asarray(want_loss)[bad]).all() and np.isfinite(np.asarray(want_loss)[~bad]).all()
+    assert np.isnan(np.asarray(loss)[bad]).all() and np.isnan(np.asarray(g)[bad]).all()
+    np.testing.assert_allclose(np.asarray(loss)[~bad], np.asarray(want_loss)[~bad], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g)[~bad], np.asarray(want_g)[~bad], rtol=1e-5, atol=1e-7)
+    # r = +inf, discount 0.5: the float64 oracle with all target mass on z_{N-1}.
+    lt = np.asarray(logits[0], np.float64)
+    want3 = np.mean([-np_log_softmax(lt[3, d, int(a[3, d])])[-1] for d in range(D)])
+    np.testing.assert_allclose(np.asarray(loss)[3], want3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("D,N,fits", [(2, 51, True), (40000, 51, True), (50000, 1024, False), (65537, 2, False)])
+def test_kernel_path_only_for_sizes_the_kernel_takes(D, N, fits, monkeypatch):
+    """ffi/c51.cu needs min(D, 4) * 2N + D floats of shared memory per block (at most 227 KiB on sm_90) and D <= 65536;
+    beyond that it returns InvalidArgument when the program runs. Such shapes must lower to the reference instead.
+    Traced from shapes only (nothing is allocated) and lowered for CUDA on this CPU."""
+    import jaxfox._ffi
+
+    monkeypatch.setattr(jaxfox._ffi, "kernels_available", lambda: True)
+    B, A = 2, 1
+    f32 = jnp.float32
+    specs = [jax.ShapeDtypeStruct((B, D, A, N), f32), jax.ShapeDtypeStruct((B, D), jnp.int32),
+             jax.ShapeDtypeStruct((B,), f32), jax.ShapeDtypeStruct((B,), f32), jax.ShapeDtypeStruct((B, D, A, N), f32),
+             jax.ShapeDtypeStruct((B, D, A, N), f32), jax.ShapeDtypeStruct((N,), f32)]
+    text = jax.jit(categorical_double_q_loss).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("jaxfox_c51_loss" in text) == fits
+
+
+def test_projection_of_non_finite_rewards_and_discounts_as_documented():
+    """r = +-inf: all mass on the end atom; a NaN r or discount, or inf * 0 (discount inf, z_5 = 0): a NaN row."""
+    p = random_probs(np.random.default_rng(9), 5, 11)
+    r = np.array([np.inf, -np.inf, np.nan, 0.0, 1.0], np.float32)
+    disc = np.array([0.9, 0.0, 0.9, np.inf, np.nan], np.float32)
+    m = project(Z11, p, r, disc)
+    mass = p.astype(np.float64).sum(-1)
+    np.testing.assert_allclose(m[0], np.eye(11)[10] * mass[0], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(m[1], np.eye(11)[0] * mass[1], atol=1e-6, rtol=0)
+    assert np.isnan(m[2:]).all()

@@ -187,6 +187,10 @@ def test_errors():
         jaxfox.grouped_matmul([x, x], [w, w], [None, jnp.ones(3)])
     with pytest.raises(ValueError, match="bs must have one entry"):
         jaxfox.grouped_matmul([x], [w], [None, None])
+    with pytest.raises(TypeError, match=r"bs\[0\] must be float32 or bfloat16, got int32"):
+        jaxfox.grouped_matmul([x], [w], [jnp.ones(2, jnp.int32)])
+    with pytest.raises(ValueError, match="Precision argument"):        # documented: jnp.dot's own message
+        jaxfox.grouped_matmul([x], [w], precision="fp8")
     with pytest.raises(ValueError, match=r"x must have shape \[2, M, 4\]"):
         jaxfox.grouped_matmul_stacked(jnp.ones((3, 5, 4)), jnp.ones((2, 4, 6)))
     with pytest.raises(ValueError, match=r"b must have shape \[2, 6\]"):
