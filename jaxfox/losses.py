@@ -61,8 +61,8 @@ def _huber_kappa(kappa, name="kappa"):
     """
     k = positive_float32(name, kappa)
     if float(np.float32(k)) < _KAPPA_MIN:
-        raise ValueError(f"{name} must be >= 2^-63 (about 1.1e-19) in float32: below, L_kappa(delta) / kappa underflows "
-                         f"float32 (subnormals are flushed to zero: NaN or 0 losses), got {kappa!r}")
+        raise ValueError(f"{name} must be >= 2^-63 (about 1.1e-19) in float32: below, L_kappa(delta) / kappa "
+                         f"underflows float32 (subnormals are flushed to zero: NaN or 0 losses), got {kappa!r}")
     return k
 
 
@@ -167,7 +167,8 @@ def quantile_huber_loss(online_quantiles, taus, target_quantiles, kappa=1.0, *, 
 
     Args:
       online_quantiles: [B, N] float32/bfloat16, Z_tau_i(s, a) of the online network.
-      taus: [B, N] or [N] float32/bfloat16, the fractions tau_i the online values were taken at.
+      taus: [B, N] or [N] float32/bfloat16, the fractions tau_i in [0, 1] the online values were taken at (not
+        checked: a value outside still weighs delta by |tau - 1{delta < 0}|, which is then no quantile loss).
       target_quantiles: [B, N'] float32/bfloat16, the target samples (e.g. r + gamma Z'_tau'_j(s', a*)).
       kappa: Huber threshold, a concrete real >= 2^-63 (~1.1e-19; below, float32 underflow gives NaN or 0 losses), a
         Python float or a 0-d array, in the units of the quantile values (IQN uses 1).
@@ -231,9 +232,10 @@ def cql_penalty(q_values, actions, alpha=1.0):
       alpha: the penalty weight, a Python float >= 0 or a float scalar array (range-checked when concrete).
 
     Returns:
-      float32 [...] (no reduction). Always >= 0 (up to rounding); exactly 0 when A = 1. The
+      float32 [...] (no reduction). Always >= 0 (up to rounding); exactly 0 when A = 1 and Q is finite. The
       logsumexp is ``jax.nn.logsumexp`` in float32 (max-subtracted), so large Q values do not overflow; a
-      +inf Q of another action gives +inf. Gradient w.r.t. Q: alpha (softmax(Q) - onehot(a_data)).
+      +inf Q of another action gives +inf, a -inf Q(s, a_data) +inf, and Q(s, a_data) = +inf NaN (inf - inf; also
+      when A = 1). Gradient w.r.t. Q: alpha (softmax(Q) - onehot(a_data)).
 
     Source: Kumar, Zhou, Tucker & Levine 2020, "Conservative Q-Learning for Offline RL", eq. (4),
     CQL(H) for discrete actions (as in the authors' QR-DQN/atari CQL code: ``logsumexp(q) - q_data``).

@@ -214,6 +214,10 @@ def test_cql_one_action_is_zero_and_large_values_do_not_overflow():
     # computed inf - inf = NaN); -inf Q of the other actions: the penalty is exactly 0 (lse = the data action's Q)
     q = jnp.asarray([[np.inf, 1.0, 0.0], [-np.inf, 2.5, -np.inf]], jnp.float32)
     np.testing.assert_array_equal(np.asarray(jaxfox.cql_penalty(q, jnp.asarray([1, 1], jnp.int32))), [np.inf, 0.0])
+    # as the docstring says: a -inf data-action Q gives +inf; a +inf one inf - inf = NaN, with A = 1 too
+    q = jnp.asarray([[-np.inf, 1.0], [np.inf, 1.0]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jaxfox.cql_penalty(q, jnp.asarray([0, 0], jnp.int32))), [np.inf, np.nan])
+    assert np.isnan(np.asarray(jaxfox.cql_penalty(jnp.full((1, 1), np.inf, jnp.float32), jnp.zeros(1, jnp.int32))))
 
 
 def test_cql_grad_is_softmax_minus_onehot():
