@@ -351,6 +351,13 @@ def _searchable_prefix(q):
     return jax.lax.cummax(jnp.where(q > 0, c, 0))
 
 
+def _prioritized(total):
+    """Whether draws follow the priorities (else uniform over the filled slots, module docstring "Range"): the
+    score total S is > 0 and finite. A non-finite S (q_i or S overflowed the work dtype: NaN from the float32
+    double-float scan, inf from the float64 cumsum) falls back to uniform, as ffi/per.cu's sampler does."""
+    return (total > 0) & jnp.isfinite(total)
+
+
 def probabilities(state: PERState, *, alpha) -> jax.Array:
     """P(i) [C] float32 as :func:`sample` draws them: q_i / S (S from the same prefix sum), 0 for
     unfilled or zero-priority slots; 1/size on every filled slot when all filled priorities are 0
@@ -380,7 +387,7 @@ def _probabilities_impl(priorities, size, alpha):
     total = _searchable_prefix(q)[-1]
     filled = jnp.arange(priorities.shape[0]) < size
     uniform = jnp.where(filled, 1.0 / jnp.maximum(size, 1).astype(q.dtype), 0.0)
-    prioritized = (total > 0) & jnp.isfinite(total)  # inf/NaN total (q overflow): uniform, as sample
+    prioritized = _prioritized(total)
     return jnp.where(prioritized, q / jnp.where(prioritized, total, 1), uniform).astype(jnp.float32)
 
 
@@ -458,9 +465,7 @@ def _sample_reference(priorities, size, r, alpha, beta):
     idx_p = jnp.minimum(jnp.searchsorted(c, frac * total, side="right").astype(jnp.int32), last_pos)
     n = state.size.astype(dt)
     idx_u = jnp.clip(jnp.floor(frac * n).astype(jnp.int32), 0, jnp.maximum(state.size - 1, 0))
-    # a non-finite total (q_i or S overflowed the work dtype: NaN from the float32 double-float scan, inf from the
-    # float64 cumsum) falls back to uniform draws (module docstring "Range")
-    prioritized = (total > 0) & jnp.isfinite(total)
+    prioritized = _prioritized(total)
     idx = jnp.where(prioritized, idx_p, idx_u).astype(jnp.int32)
     q_sel = q[idx]
     q_min = jnp.min(q_sel)
