@@ -104,10 +104,11 @@ def cuda_compute_capability() -> tuple[int, int] | None:
     return min(caps) if caps else None
 
 
-def smem_per_block_limit(cc: tuple[int, int]) -> int:
+def smem_per_block_limit(cc: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes) of compute capability ``cc`` (CUDA programming guide,
-    "Technical specifications"): 8.0 / 8.7: 163 KiB; 9.0, 10.x: 227 KiB; the others of 8.x and 12.x: 99 KiB."""
-    if cc[0] in (9, 10):
+    "Technical specifications"): 8.0 / 8.7: 163 KiB; 9.0, 10.x: 227 KiB; the others of 8.x and 12.x: 99 KiB.
+    ``cc`` None (``cuda_compute_capability()`` without a CUDA device, e.g. tracing for CUDA elsewhere): 9.0's."""
+    if cc is None or cc[0] in (9, 10):
         return 227 * 1024
     if cc in ((8, 0), (8, 7)):
         return 163 * 1024

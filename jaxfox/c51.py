@@ -178,9 +178,8 @@ def _kernel_takes(B, D, N):
     the opt-in limit per block of the device (9.0's when no CUDA device is visible, tracing for CUDA elsewhere)."""
     if N > _KERNEL_MAX_ATOMS or D > _KERNEL_MAX_BRANCHES or B >= 2**31:
         return False
-    cc = cuda_compute_capability()
     smem = 4 * (min(D, _KERNEL_MAX_WARPS) * 2 * N + D)
-    return smem <= smem_per_block_limit(cc if cc is not None else (9, 0))
+    return smem <= smem_per_block_limit(cuda_compute_capability())
 
 
 def _c51_call(with_grad, logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):

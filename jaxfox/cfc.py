@@ -340,8 +340,8 @@ def _kernel_smem_fits(cfg) -> bool:
     kh = cfg.units if cfg.layers > 0 else k0
     red = max(_KERNEL_THREADS, k0, cfg.units, nh * -(-cfg.hidden_size // _MAX_CLUSTER), kh * nh)
     floats = red + 4 * (cfg.layers + 1) * (red + 1) + 4 * (cfg.layers + 1) + 2 * k0 + cfg.layers * cfg.units
-    cc = cuda_compute_capability()  # None when no CUDA device is visible (tracing for CUDA elsewhere): 9.0's limit
-    return 4 * floats <= smem_per_block_limit(cc if cc is not None else (9, 0))
+    # no CUDA device visible (tracing for CUDA elsewhere): 9.0's limit
+    return 4 * floats <= smem_per_block_limit(cuda_compute_capability())
 
 
 def _scan_dispatch(cfg, params, xs, ts, h0):
