@@ -101,7 +101,8 @@ def _check_expectiles(expectiles, G):
     out = []
     for t in vals:
         if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not in_open_unit_float32(t):
-            raise ValueError(f"expectiles must be floats in (0, 1), also when rounded to float32, got {expectiles!r}")
+            raise ValueError(f"expectiles must be floats in (0, 1), also when rounded to float32 (and not subnormal "
+                             f"there), got {expectiles!r}")
         out.append(float(t))
     return tuple(out)
 
@@ -293,8 +294,8 @@ def iql_value_loss(params, obs, target, expectiles):
         list or tuple of them (e.g. an array, which cannot be static, a string or None).
       ValueError: params is not of the form above, a shape does not match (the message names the argument, the
         expected and the actual shape), expectiles has not G entries or an entry is not a Python or NumPy float in
-        (0, 1) (also when rounded to float32; a bool or a JAX scalar inside the sequence is refused too), or
-        B = 0.
+        (0, 1) (also when rounded to float32, and not subnormal there; a bool or a JAX scalar inside the sequence
+        is refused too), or B = 0.
     """
     G, D, H = _check_params(params)
     check_array("obs", obs, (None, D))

@@ -159,6 +159,8 @@ def test_config_errors():
         make_aux(SMALL, expectiles=(0.7, 1.2))
     with pytest.raises(ValueError, match=r"config.expectiles .*rounded to float32"):
         make_aux(SMALL, expectiles=(0.7, 1.0 - 1e-9))   # 1.0 in float32
+    with pytest.raises(ValueError, match=r"config.expectiles .*not subnormal"):
+        make_aux(SMALL, expectiles=(0.7, 1e-40))        # flushed to 0 by XLA: a one-sided loss
     with pytest.raises(ValueError, match="config.iql_impl"):
         make_aux(SMALL, iql_impl="fast")
     with pytest.raises(ValueError, match="config.num_heads"):

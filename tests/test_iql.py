@@ -508,6 +508,7 @@ EXPECTILE_ERRORS = [  # (expectiles for G = 2, exception, words)
     ((0.7, 0.0), ValueError, ["expectiles", "(0, 1)"]),
     ((0.7, 1.0 - 1e-9), ValueError, ["expectiles", "(0, 1)", "float32"]),   # 1.0 in float32
     (1e-50, ValueError, ["expectiles", "(0, 1)", "float32"]),                # 0.0 in float32
+    ((0.7, 1e-40), ValueError, ["expectiles", "(0, 1)", "subnormal"]),      # flushed to 0 by XLA
     (True, ValueError, ["expectiles"]),
     ((0.7, "0.9"), ValueError, ["expectiles"]),
     (jnp.asarray([0.7, 0.9]), TypeError, ["expectiles", "static"]),

@@ -125,7 +125,7 @@ def _check_config(cfg: AuxConfig):
             isinstance(t, (int, float, np.floating)) and not isinstance(t, bool) and in_open_unit_float32(t)
             for t in cfg.expectiles):
         raise ValueError(f"config.expectiles must be a non-empty tuple of floats in (0, 1) (also when rounded to "
-                         f"float32), got {cfg.expectiles!r}")
+                         f"float32, and not subnormal there), got {cfg.expectiles!r}")
     if cfg.iql_impl not in ("fused", "grouped", "grouped_list", "vmap"):
         raise ValueError(f"config.iql_impl must be 'fused', 'grouped', 'grouped_list' or 'vmap', got {cfg.iql_impl!r}")
     if cfg.seq_dim % cfg.num_heads:
