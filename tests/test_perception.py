@@ -453,3 +453,42 @@ def test_v0_training_functions_refuse_the_full_model_naming_its_own():
         with pytest.raises(TypeError, match=rf"model must be a jaxfox.models.PerceptionV0 .*got Perception; for "
                                             rf"jaxfox.models.Perception use jaxfox.models.perception.{use}\b"):
             call()
+
+
+def test_bad_windows_are_named_before_the_labels():
+    """A malformed x (2-D, a 2-D list, 0-d, wrong m) given to loss_fn / train_step / evaluate of either model raised
+    an error about y, with an expected size read off the wrong axis ("y must have shape [B] = [5]" for a [5, 6] x,
+    "= [None]" for a list): x was only checked after the labels. Now x is checked first and the message names it."""
+    from jaxfox.models import perception
+
+    v0 = make_model(6, hidden=8, embed_dim=2, backbone_units=16, rngs=nnx.Rngs(0))
+    full = perception.make_model(6, embed_dim=2, vsn_hidden=4, vsn_out=4, hidden=4, backbone_units=8, num_heads=2,
+                                 rngs=nnx.Rngs(0))
+    y = jnp.array([0.0, 1.0, 0.0, 1.0])
+    good = jnp.zeros((4, 5, 6))
+    for model, loss, step, ev in ((v0, jaxfox.models.loss_fn, train_step, evaluate),
+                                  (full, perception.loss_fn, perception.train_step, perception.evaluate)):
+        opt = make_optimizer(model)
+        for bad in (jnp.zeros((5, 6)), np.zeros((5, 6)).tolist(), jnp.float32(1.0), jnp.zeros((4, 5, 7))):
+            with pytest.raises(ValueError, match=r"^x must have shape \[B, T, 6\]"):
+                loss(model, bad, y)
+            with pytest.raises(ValueError, match=r"^x must have shape \[B, T, 6\]"):
+                step(model, opt, bad, y)
+            with pytest.raises(ValueError, match=r"^x must have shape \[N, T, 6\]"):
+                ev(model, bad, np.asarray(y))
+        # the labels are still checked (against a good x)
+        with pytest.raises(ValueError, match=r"^y must have shape \[B\] = \[4\]"):
+            loss(model, good, y[:3])
+        with pytest.raises(ValueError, match=r"^y must have shape \[N\] = \[4\]"):
+            ev(model, good, np.asarray(y)[:3])
+
+
+def test_benchmark_step_names_a_non_int_seed():
+    """benchmark_step(seed=1.5) of either model raised flax's "Invalid rng value: 1.5 ..." (nnx.Rngs, built before
+    the seed was checked), not the documented error naming seed."""
+    from jaxfox.models import perception
+
+    for bench in (benchmark_step, perception.benchmark_step):
+        for bad in (1.5, "0", None):
+            with pytest.raises(ValueError, match=r"^seed must be an int >= 0"):
+                bench(batch=2, window=3, num_features=4, seed=bad)

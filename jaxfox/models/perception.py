@@ -132,6 +132,7 @@ def loss_fn(model: Perception, x, y):
         float32.
     """
     _check_full(model, "loss_fn")
+    check_window_batch(x, model.num_features)  # before the labels, whose expected size is read off x
     _check_batch_labels(x, y)
     logits, _ = model(x)
     return optax.sigmoid_binary_cross_entropy(logits, y).mean()
@@ -201,6 +202,8 @@ def evaluate(model: Perception, x, y, *, batch_size: int = 256) -> tuple[float, 
     from jaxfox.data.market import auc
 
     _check_full(model, "evaluate")
+    x = np.asarray(x, np.float32)
+    check_window_batch(x, model.num_features, rows="N")  # before y, whose expected size is read off x
     y = np.asarray(y, np.float32)
     _check_labels(y, len(x), "N")
     logits, w = predict(model, x, batch_size=batch_size)
@@ -219,6 +222,7 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
       ValueError: a model size is invalid; ``batch`` or ``window`` is not an int >= 1, ``seed`` not an int >= 0,
         or ``batch`` is not divisible by the mesh size.
     """
+    seed = positive_int("seed", seed, minimum=0)  # before nnx.Rngs, whose error does not name it
     model = make_model(num_features, rngs=nnx.Rngs(seed), **model_kwargs)
     return make_benchmark_step(model, make_optimizer(model), batch=batch, window=window, seed=seed, mesh=mesh,
                                loss=loss_fn)

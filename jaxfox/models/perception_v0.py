@@ -10,8 +10,8 @@
 Trained with binary cross-entropy on the logit (``optax.sigmoid_binary_cross_entropy``) and AdamW
 (``optax.adamw``, global-norm gradient clipping first). The per-variable embedding is the input stage of
 the Temporal Fusion Transformer (Lim et al. 2021, variable selection networks: "linear transformations for
-continuous variables"); issue 3 replaces the flatten with a variable selection network and the last-state read-out with attention
-pooling and a GRN head.
+continuous variables"); issue 3 replaces the flatten with a variable selection network and the last-state read-out
+with attention pooling and a GRN head.
 
 Training-loop pieces: :func:`make_model`, :func:`make_optimizer`, :func:`loss_fn`, :func:`train_step`
 (``nnx.jit``, updates model and optimizer in place), :func:`train_epoch` (a whole epoch of steps in one
@@ -194,10 +194,12 @@ def loss_fn(model: PerceptionV0, x, y):
 
     Raises:
       TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.loss_fn`),
-        or y is not float32.
-      ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
+        or x or y is not float32.
+      ValueError: x is not [B, T, m] with m = ``model.num_features`` and T >= 1 (checked first); y is not [B] (one
+        label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
     """
     _check_v0(model, "loss_fn")
+    check_window_batch(x, model.num_features)  # before the labels, whose expected size is read off x
     _check_batch_labels(x, y)
     return optax.sigmoid_binary_cross_entropy(model(x), y).mean()
 
@@ -211,10 +213,12 @@ def data_parallel_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh=N
     every device. Returns the global mean loss before the update. ``loss`` defaults to :func:`loss_fn`.
 
     Raises:
-      ValueError: y is not [B] (one label per window of x; a [B, 1] y would broadcast the BCE to [B, B]),
-        or the batch (x's leading axis) is not divisible by the number of devices in ``mesh``.
-      TypeError: y is not float32.
+      ValueError: x is not [B, T, m] (m = ``model.num_features``) with T >= 1 (checked first); y is not [B] (one label
+        per window of x; a [B, 1] y would broadcast the BCE to [B, B]), or the batch (x's leading axis) is not
+        divisible by the number of devices in ``mesh``.
+      TypeError: x or y is not float32.
     """
+    check_window_batch(x, getattr(model, "num_features", None))  # before y, whose expected size is read off x
     _check_batch_labels(x, y)
     loss = loss_fn if loss is None else loss
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -373,7 +377,7 @@ def predict_logits(model: PerceptionV0, x, *, batch_size: int = 256) -> np.ndarr
     any N reuses one compiled function.
 
     Raises:
-      ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (from the model).
+      ValueError: ``batch_size`` is not an int >= 1; x is not [N, T, m] (m = ``model.num_features``) with T >= 1.
       TypeError: model is not a :class:`PerceptionV0` (the full model's is :func:`jaxfox.models.perception.predict`).
     """
     _check_v0(model, "predict_logits")
@@ -397,6 +401,8 @@ def evaluate(model: PerceptionV0, x, y, *, batch_size: int = 256) -> tuple[float
     from jaxfox.data.market import auc
 
     _check_v0(model, "evaluate")
+    x = np.asarray(x, np.float32)
+    check_window_batch(x, model.num_features, rows="N")  # before y, whose expected size is read off x
     y = np.asarray(y, np.float32)
     _check_labels(y, len(x), "N")
     logits = predict_logits(model, x, batch_size=batch_size)
@@ -412,7 +418,8 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
     The model and optimizer are the main job's ``--model v0`` (:data:`DEFAULTS`); the main job also adds input
     noise to each batch on the host, which is not part of this step. The step is data parallel over ``mesh``
     (default: all local devices; see :func:`data_parallel_step`): the batch is placed split over the mesh's
-    batch axis (:func:`jaxfox.sharding.batch_axis`) and the state replicated, so ``batch`` is the global batch (divisible by the mesh size).
+    batch axis (:func:`jaxfox.sharding.batch_axis`) and the state replicated, so ``batch`` is the global batch
+    (divisible by the mesh size).
 
     Returns:
       ``(step_fn, state, batch)``: ``step_fn(state, batch) -> (state, loss)`` is un-jitted and pure;
@@ -423,6 +430,7 @@ def benchmark_step(batch: int = 32, window: int = 64, num_features: int = 48, *,
       ValueError: ``batch`` or ``window`` is not an int >= 1, ``seed`` not an int >= 0, ``batch`` not divisible by
         the mesh size, or a model size invalid (as :class:`PerceptionV0`).
     """
+    seed = positive_int("seed", seed, minimum=0)  # before nnx.Rngs, whose error does not name it
     rngs = nnx.Rngs(seed)
     model = make_model(num_features, hidden=hidden, embed_dim=embed_dim, backbone_units=backbone_units, rngs=rngs)
     return make_benchmark_step(model, make_optimizer(model), batch=batch, window=window, seed=seed, mesh=mesh)
