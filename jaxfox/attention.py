@@ -14,7 +14,10 @@ head j owning the feature columns D_j = [j d, (j + 1) d), d = H / num_heads, and
 
 Masking follows ``jax.nn.softmax(where=mask)``: masked steps get weight exactly 0. A sample whose
 steps are all masked gets alpha = 0 and pooled = 0 (b_o is applied only to samples with at least
-one valid step), zero gradients, and never affects the other samples.
+one valid step), zero gradients, and never affects the other samples, as long as its masked steps hold
+finite values: unlike ``jax.nn.softmax(where=mask)``, which ignores the masked logits, a NaN or Inf in hs
+at a masked step still enters the sums as 0 * h_t, making that sample's pooled NaN and, through it, the
+parameter gradients of the whole batch (see :func:`attention_pool`'s ``mask``).
 
 Biases: PyTorch's attention has biases on the key, value and output projections. Here the key bias
 would add q_j . b_k / sqrt(d) to every score of head j, which the softmax cancels (it has no
@@ -317,9 +320,10 @@ def attention_pool(params, hs, mask=None, *, num_heads=None):
         converted to float32 before any arithmetic (projections, softmax and sums are float32).
       mask: [B, T] bool, True where a step is valid, or None (all valid; with T = 0 no step is, so pooled is 0).
         Masked steps get weight 0, but their hs still enter the sums as 0 * h_t (as in PyTorch's attention): pad
-        them with small finite values such as 0 (a NaN or Inf at a masked step makes the sample's pooled NaN; so
-        may a value so large that a product with the weights overflows float32: the reference forms h_t W_v, the
-        factored form does not, so the two paths can differ there).
+        them with small finite values such as 0 (a NaN or Inf at a masked step makes the sample's pooled NaN, and
+        so every parameter's gradient of a loss over the batch, even when all its steps are masked; so may a value
+        so large that a product with the weights overflows float32: the reference forms h_t W_v, the factored
+        form does not, so the two paths can differ there).
       num_heads: optional check: when given, it must equal the params' number of heads (``q.shape[0]``).
 
     Returns:
@@ -331,7 +335,7 @@ def attention_pool(params, hs, mask=None, *, num_heads=None):
     ``jax.custom_vjp`` over the forward and backward kernels with ``JAXFOX_OPT_IN_KERNELS=attention_pool``); the
     gradient for hs has hs's dtype. On the kernel path only reverse mode of order 1: forward mode (``jax.jvp``,
     ``jax.jacfwd``) and higher derivatives raise there (trace them inside :func:`jaxfox.use_reference`).
-    A sample with every step masked gets zero gradients and leaves the other samples unchanged.
+    A sample with every step masked (and finite hs) gets zero gradients and leaves the other samples unchanged.
 
     Source: OPS.md "Attention pooling over time"; Set Transformer PMA (Lee et al. 2019, eq. 11)
     with one seed vector and PyTorch ``nn.MultiheadAttention`` semantics (scaled dot product,

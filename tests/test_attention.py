@@ -492,7 +492,8 @@ def test_heads_from_params(n):
     _assert_f32_close(pooled, want_p)
     _assert_f32_close(alpha, want_a)
     pooled2, alpha2 = attention_pool(params, jnp.asarray(hs), jnp.asarray(mask), num_heads=n)
-    assert np.array_equal(np.asarray(pooled2), np.asarray(pooled)) and np.array_equal(np.asarray(alpha2), np.asarray(alpha))
+    np.testing.assert_array_equal(np.asarray(pooled2), np.asarray(pooled))
+    np.testing.assert_array_equal(np.asarray(alpha2), np.asarray(alpha))
 
 
 # ----------------------------------------------------------------------------------------------
