@@ -17,7 +17,8 @@ The paper's eq. (5) writes the GLU as sigmoid(W4 g + b4) (.) (W5 g + b5), the ga
 
 LayerNorm statistics are float32 and multi-pass (never E[x^2] - E[x]^2), computed on the row
 shifted by its first element with a correction pass (:func:`layer_norm`; mathematically
-identical, and rows with a large common offset such as 1449 +- 1 keep their digits). Dropout (used in the paper before the gate) is not part of the op.
+identical, and rows with a large common offset such as 1449 +- 1 keep their digits). Dropout (used in the paper
+before the gate) is not part of the op.
 
 Kernels (``ffi/grn.cu``, opt-in): a GRN without context whose widths are small (I <= 256, Hd <= 64,
 O <= 64, and the kernel's shared-memory and register-tile limits, see :func:`_kernel_fits`) has one fused
@@ -230,15 +231,34 @@ def layer_norm(x, gamma, beta, eps=1e-5):
     then dev -= mean(dev) (zero up to the rounding of mean(d); it restores the digits when x0 is
     an outlier of a row with a large common offset), var = mean(dev^2). The same function as the
     textbook formula; the shift x0 and the correction mean(dev) are constants of the gradient,
-    which is exact because the output does not depend on them.
+    which is exact because the output does not depend on them. The derivative of dev * rsqrt(var + eps) is
+    the textbook one, rstd (t - xhat mean(xhat t)) (:func:`_standardize`), not autodiff of rsqrt, whose factor
+    (var + eps)^-1.5 overflows to inf for eps below ~2e-26 and made a constant row's gradient NaN.
     """
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # a bfloat16 mean/variance was 1e-2 off, float16's overflowed
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # bfloat16 statistics were 1e-2 off, float16's overflowed
     x0 = jax.lax.stop_gradient(x[..., :1])
     d = x - x0
     dev = d - jnp.mean(d, axis=-1, keepdims=True)
     dev = dev - jax.lax.stop_gradient(jnp.mean(dev, axis=-1, keepdims=True))
-    var = jnp.mean(dev * dev, axis=-1, keepdims=True)
-    return dev * jax.lax.rsqrt(var + eps) * gamma + beta
+    return _standardize(dev, eps)[0] * gamma + beta
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _standardize(dev, eps):
+    """(xhat, rstd) of rows ``dev`` [..., O]: rstd = rsqrt(mean(dev^2) + eps) [..., 1], xhat = dev * rstd."""
+    rstd = jax.lax.rsqrt(jnp.mean(dev * dev, axis=-1, keepdims=True) + eps)
+    return dev * rstd, rstd
+
+
+@_standardize.defjvp
+def _standardize_jvp(eps, primals, tangents):
+    """d xhat = rstd (t - xhat mean(xhat t)), d rstd = -rstd^2 mean(xhat t): every factor bounded (rstd <= eps^-1/2,
+    |xhat| <= sqrt(O)), so a constant row (dev = 0) gets rstd t and no 0 * inf. Written in JAX ops on the outputs
+    of :func:`_standardize`, so higher derivatives go through this rule again."""
+    (dev,), (t,) = primals, tangents
+    xhat, rstd = _standardize(dev, eps)
+    m = jnp.mean(xhat * t, axis=-1, keepdims=True)
+    return (xhat, rstd), (rstd * (t - xhat * m), -(rstd * m) * rstd)
 
 
 def _grn_reference(params, a, c, eps):
@@ -318,7 +338,8 @@ def _attrs(cfg):
 
 
 def _bwd_tiling(R):
-    """(tiles_per_block, blocks) of the backward grid over ceil(R / 32) row tiles (:func:`jaxfox.reduce.backward_tiling`)."""
+    """(tiles_per_block, blocks) of the backward grid over ceil(R / 32) row tiles
+    (:func:`jaxfox.reduce.backward_tiling`)."""
     return backward_tiling(R, _ROW_TILE, _TARGET_BWD_BLOCKS)
 
 
@@ -507,8 +528,8 @@ def _grn_apply(params, a, c, eps, softmax=False):
         y = _grn_reference(p, a, c, eps)
         return jax.nn.softmax(y, axis=-1) if softmax else y
 
-    if not kernel_opted_in("grn") or c is not None or R == 0:
-        return reference(params, a, c)
+    if not kernel_opted_in("grn") or c is not None or not isinstance(R, int) or R == 0:
+        return reference(params, a, c)  # (a symbolic R, jax.export shape polymorphism: no kernel grid for it)
     if _kernel_fits(I, C, H, O):      # the CUDA-core kernels keep the shapes they take
         def kernel(p, a):
             return _grn_kernel(_KernelCfg(H, O, float(eps), bool(softmax)), _flat(p), a)
@@ -530,7 +551,8 @@ def grn(params, a, context=None, *, eps=1e-5):
     Args:
       params: from :func:`grn_init` (float32). The skip is the identity when I == O, else the
         learned ``skip_w``/``skip_b``; ``w3`` (context weight) present iff a context is used.
-      a: [..., I] float32 or bfloat16 (any number of leading dims, e.g. [B, T, I]).
+      a: [..., I] float32 or bfloat16 (any number of leading dims, e.g. [B, T, I]; they may be symbolic, as in
+        ``jax.export`` shape polymorphism, and then the reference runs: the kernels need a concrete row count).
       context: [..., C] float32 or bfloat16 of a's rank whose leading dims broadcast to a's (e.g. a static
         context [B, 1, C] for a [B, T, I]; a [B, C] context is refused there: rank promotion would align B with
         T); required iff ``params`` has ``w3``.
@@ -556,10 +578,11 @@ def grn(params, a, context=None, *, eps=1e-5):
     inside :func:`jaxfox.use_reference`).
 
     Raises:
-      TypeError: an input is not float32/bfloat16, a parameter is not float32, or eps is not a concrete real
-        scalar (a bool, a string, a traced value).
-      ValueError: wrong shapes (the message names the argument), a context missing or unexpected
-        for ``params``, or eps is not a positive finite float32 (0 < eps, float32(eps) neither 0 nor inf).
+      TypeError: ``params`` is not a dict, an input is not float32/bfloat16, a parameter is not a float32 array,
+        or eps is not a concrete real scalar (a bool, a string, a traced value).
+      ValueError: wrong shapes (the message names the argument), ``params`` missing a leaf of :func:`grn_init`
+        (or having ``skip_w``/``skip_b`` with I == O), a context missing or unexpected for ``params``, or eps
+        is not a positive normal float32 (0 < eps, float32(eps) neither 0, subnormal nor inf).
     """
     eps = positive_float32("eps", eps)
     I, C, H, O = _grn_sizes(params, "params")
@@ -567,7 +590,7 @@ def grn(params, a, context=None, *, eps=1e-5):
     lead = tuple(a.shape[:-1])
     context = _check_context(context, C, lead)
     a, context = _common_dtype(a, context)
-    R = int(np.prod(lead, dtype=np.int64))
+    R = math.prod(lead)  # symbolic under jax.export shape polymorphism (int(np.prod(lead)) raised there)
     a2 = a.reshape(R, I).astype(jnp.float32)  # once: a bfloat16 a gets its float32 gradient rounded once
     # float32 before the broadcast: a bfloat16 context's gradient is summed over the broadcast dims in float32
     c2 = jnp.broadcast_to(context.astype(jnp.float32), lead + (C,)).reshape(R, C) if C else None

@@ -22,10 +22,10 @@ m = 48, d = 4, Hd = O = 32: fwd+bwd 1.24x the XLA reference at 2048 rows, 1.03x 
 BENCHMARKS.md "eleventh session"). The selection GRN with its softmax is XLA code by default; with
 ``JAXFOX_OPT_IN_KERNELS=grn`` it runs :mod:`jaxfox.grn`'s opt-in kernels (``ffi/grn.cu``, softmax fused) when
 it has no context and its widths fit (input m d <= 256, Hd <= 64, output m <= 64; the main job's 192, 32, 48;
-slower than XLA so far, see :mod:`jaxfox.grn`). The forward's weighted sum is XLA code. The weighted sum's backward is in the backward kernel: it takes v [R, m] and d out [R, O] instead of
-the [R, m, O] cotangent of the GRNs' outputs (dy = v * d out, formed in registers) and returns d v [R, m]
-(sum_o d out * y, from its recomputed y). Wider
-GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference by default: there XLA's
+slower than XLA so far, see :mod:`jaxfox.grn`). The forward's weighted sum is XLA code. The weighted sum's
+backward is in the backward kernel: it takes v [R, m] and d out [R, O] instead of the [R, m, O] cotangent of the
+GRNs' outputs (dy = v * d out, formed in registers) and returns d v [R, m] (sum_o d out * y, from its recomputed
+y). Wider GRNs (the issue's bench shape d = 16, Hd = O = 128) run the pure-JAX reference by default: there XLA's
 TF32 tensor-core matmuls beat the CUDA-core kernels (a fused VSN kernel measured 0.35x at 2048 rows,
 BENCHMARKS.md "2026-11-29"). With ``JAXFOX_OPT_IN_KERNELS=grn``, at the default matmul precision, per-variable
 GRNs of the widths d in {16, 32, 64, 128}, Hd and O in {32, 64, 128} (the bench shape among them) run
@@ -38,6 +38,7 @@ Off CUDA, or under :func:`jaxfox.use_reference`, the reference runs and its grad
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -232,7 +233,7 @@ def _grn_combined(p, x, v, eps):
     def reference(p, x, v):
         return _weighted_sum(v, _grn_stacked_reference(p, x, eps))
 
-    if R == 0:
+    if not isinstance(R, int) or R == 0:  # (a symbolic R, jax.export shape polymorphism: no kernel grid for it)
         return reference(p, x, v)
     if _kernel_fits(m, d, H, O):
         def kernel(p, x, v):
@@ -265,7 +266,8 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     Args:
       params: from :func:`vsn_init` (float32).
       xs: [..., m, d] float32 or bfloat16: the m variables, each embedded to width d
-        (e.g. [B, T, m, d]).
+        (e.g. [B, T, m, d]; the leading dims may be symbolic, as in ``jax.export`` shape polymorphism, and then
+        the reference runs: the kernels need a concrete row count).
       context: [..., C] (one axis per dim of xs.shape[:-2], each broadcasting to it, e.g. [B, 1, C] for a static
         context of [B, T, m, d] inputs; [B, C] is refused there), fed to the selection GRN only; required iff
         ``params['selection']`` has ``w3``.
@@ -296,7 +298,7 @@ def vsn(params, xs, context=None, *, eps=1e-5):
     lead = tuple(xs.shape[:-2])
     context = _check_context(context, C, lead, "params['selection']")
     xs, context = _common_dtype(xs, context)
-    R = int(np.prod(lead, dtype=np.int64))
+    R = math.prod(lead)  # symbolic under jax.export shape polymorphism (int(np.prod(lead)) raised there)
     # float32 before the broadcast: a bfloat16 context's gradient is summed over the broadcast dims in float32
     c2 = jnp.broadcast_to(context.astype(jnp.float32), lead + (C,)).reshape(R, C) if C else None
     out, v = _vsn_apply(params, xs.reshape((R, m, d)), c2, eps)

@@ -260,6 +260,54 @@ def test_layer_norm_narrow_inputs_use_float32_statistics(dtype):
     assert_f32_close(y, np_layer_norm(np.asarray(x.astype(jnp.float32), np.float64), g, b, 1e-5), tol=2e-6)
 
 
+@pytest.mark.parametrize("eps", [1e-30, 1.2e-38])
+def test_tiny_eps_constant_rows_have_finite_exact_gradients(eps):
+    """A constant LayerNorm row (a zero padding row of a freshly initialised GRN is one) with a small but valid eps
+    (a normal float32 below ~2e-26): autodiff of rsqrt(var + eps) multiplied the zero cotangent of var by
+    -0.5 (var + eps)^-1.5 = inf, giving NaN in that row's input gradient and in every weight's gradient. The
+    gradients are finite and equal the textbook LayerNorm backward (float64, written from the equations)."""
+    O = 6
+    p = _passthrough_params(O, seed=12)            # w4 = b4 = 0 and identity skip: the LayerNorm input is a
+    rng = np.random.default_rng(13)
+    a = np.stack([np.zeros(O), np.full(O, 3.25), rng.standard_normal(O)]).astype(np.float32)
+    r = rng.standard_normal((3, O))
+    y = grn(p, jnp.asarray(a), eps=eps)
+    np.testing.assert_allclose(np.asarray(y), np_grn(p, a, eps=eps), rtol=1e-5, atol=1e-6)
+    gp, ga = jax.grad(lambda q, x: jnp.sum(grn(q, x, eps=eps) * jnp.asarray(r, jnp.float32)), argnums=(0, 1))(
+        p, jnp.asarray(a))
+    for k, leaf in {**gp, "a": ga}.items():
+        assert np.isfinite(np.asarray(leaf)).all(), k
+    # float64 oracle: x = a, xhat = (x - mu) rstd, dx = rstd (gy - mean(gy) - xhat mean(gy xhat)), gy = r gamma
+    q = f64(p)
+    x = a.astype(np.float64)
+    gy = r * q["gamma"]
+
+    def np_ln_backward(x):
+        mu = x.mean(-1, keepdims=True)
+        rstd = 1.0 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+        xhat = (x - mu) * rstd
+        return rstd * (gy - gy.mean(-1, keepdims=True) - xhat * (gy * xhat).mean(-1, keepdims=True)), xhat
+
+    dx, xhat = np_ln_backward(x)
+    eta1 = np_elu(x @ q["w2"] + q["b2"]) @ q["w1"] + q["b1"]
+    dglu_value = dx * np_sigmoid(eta1 @ q["w5"] + q["b5"])     # d out / d (eta1 w4 + b4)
+    for row in range(3):
+        np.testing.assert_allclose(np.asarray(ga)[row], dx[row], rtol=1e-5, atol=1e-6 * np.abs(dx[row]).max())
+    assert rel_err(gp["w4"], eta1.T @ dglu_value) <= 1e-5
+    assert rel_err(gp["b4"], dglu_value.sum(0)) <= 1e-5
+    assert rel_err(gp["gamma"], (r * xhat).sum(0)) <= 1e-5
+    assert rel_err(gp["beta"], r.sum(0)) <= 1e-6
+    # second order: Hessian-vector products (0 on a constant row, where xhat = 0 and mean(xhat t) = 0; float64
+    # central differences of the backward above on the other row)
+    v = rng.standard_normal((3, O)).astype(np.float32)
+    hv = jax.jvp(jax.grad(lambda x: jnp.sum(grn(p, x, eps=eps) * jnp.asarray(r, jnp.float32))), (jnp.asarray(a),),
+                 (jnp.asarray(v),))[1]
+    np.testing.assert_array_equal(np.asarray(hv)[:2], np.zeros((2, O), np.float32))
+    h = 1e-6
+    want = (np_ln_backward(x + h * v)[0] - np_ln_backward(x - h * v)[0]) / (2 * h)
+    assert rel_err(np.asarray(hv)[2], want[2]) <= 1e-4
+
+
 # ----------------------------------------------------------------------------------------------
 # bfloat16 inputs.
 def test_bfloat16_inputs_keep_float32_statistics():
@@ -277,7 +325,8 @@ def test_bfloat16_inputs_keep_float32_statistics():
     q = random_grn_params(6, 5, 4, 3, seed=9)
     x16 = jnp.asarray(rng.standard_normal((3, 6)), jnp.bfloat16)
     c16 = jnp.asarray(rng.standard_normal((3, 3)), jnp.bfloat16)
-    assert_f32_close(grn(q, x16, c16), np_grn(q, np.asarray(x16.astype(jnp.float32)), np.asarray(c16.astype(jnp.float32))))
+    x32, c32 = np.asarray(x16.astype(jnp.float32)), np.asarray(c16.astype(jnp.float32))
+    assert_f32_close(grn(q, x16, c16), np_grn(q, x32, c32))
     # gradient w.r.t. bf16 inputs: bf16, the float32 gradient rounded once
     r = rng.standard_normal((3, 4)).astype(np.float32)
     ga, gc = jax.grad(lambda x, c: jnp.sum(grn(q, x, c) * r), argnums=(0, 1))(x16, c16)
@@ -416,6 +465,28 @@ def test_jit_vmap_scan_grad():
         assert_f32_close(out[t], h)
 
 
+def test_symbolic_leading_dims_export():
+    """``a`` [..., I] with symbolic leading dims (``jax.export`` shape polymorphism, e.g. a serving batch b and
+    length t): grn counted the rows with int(np.prod(lead)), which raised InconclusiveDimensionOperation."""
+    from jax import export
+
+    I, H, O, C = 5, 6, 3, 2
+    p = random_grn_params(I, H, O, C, seed=60)
+    q = random_grn_params(I, H, I, seed=61)
+    b, t = export.symbolic_shape("b, t")
+    f32 = jnp.float32
+    ctx = export.export(jax.jit(lambda a, c: grn(p, a, c)))(
+        jax.ShapeDtypeStruct((b, t, I), f32), jax.ShapeDtypeStruct((b, 1, C), f32))
+    plain = export.export(jax.jit(lambda a: grn(q, a)))(jax.ShapeDtypeStruct((b, I), f32))
+    assert ctx.out_avals[0].shape == (b, t, O) and plain.out_avals[0].shape == (b, I)
+    for B, T in ((2, 3), (1, 7)):
+        rng = np.random.default_rng(B + T)
+        a = rng.standard_normal((B, T, I)).astype(np.float32)
+        c = rng.standard_normal((B, 1, C)).astype(np.float32)
+        assert_f32_close(ctx.call(jnp.asarray(a), jnp.asarray(c)), np_grn(p, a, np.broadcast_to(c, (B, T, C))))
+        assert_f32_close(plain.call(jnp.asarray(a[:, 0])), np_grn(q, a[:, 0]))
+
+
 def test_zero_rows():
     p = random_grn_params(5, 6, 3, 2)
     y = grn(p, jnp.zeros((0, 4, 5)), jnp.zeros((0, 4, 2)))
@@ -542,6 +613,25 @@ def test_routed_shapes_lower_without_the_kernels(kernels_on, I, H, O, C):
     assert GRN_FWD not in calls and GRN_BWD not in calls, set(calls)
 
 
+def test_symbolic_leading_dims_export_for_cuda_runs_the_reference(kernels_on):
+    """With the kernels on (and grn opted in), symbolic leading dims route to the reference: the kernels need a
+    concrete row count for their grids and workspaces. Exported for CUDA, no jaxfox FFI call is made, forward or
+    backward, for grn and vsn (whose per-variable GRN kernels run by default)."""
+    from jax import export
+
+    b, t = export.symbolic_shape("b, t")
+    f32 = jnp.float32
+    p = random_grn_params(8, 16, 8, seed=62)
+    pv = jaxfox.vsn_init(jax.random.key(63), 4, 2, 8, 8)
+    fns = [(lambda p, a: jax.value_and_grad(lambda p: jnp.sum(grn(p, a)))(p), p, (b, t, 8)),
+           (lambda p, x: jax.value_and_grad(lambda p: jnp.sum(jaxfox.vsn(p, x)[0]))(p), pv, (b, 4, 2))]
+    for f, params, shape in fns:
+        exp = export.export(jax.jit(f), platforms=("cuda",))(params, jax.ShapeDtypeStruct(shape, f32))
+        assert "jaxfox_" not in exp.mlir_module()
+        # the same function with concrete dims does take the kernels (so the assertion above can fail)
+        assert cuda_custom_calls(f, params, jnp.zeros(tuple(s if isinstance(s, int) else 3 for s in shape), f32))
+
+
 def test_vsn_selection_lowers_to_the_grn_kernels(kernels_on):
     """jaxfox.vsn at the main job's shape (m = 48, d = 4, Hd = O = 32; 2048 rows): the selection GRN (input
     m d = 192, output m = 48) runs the grn kernels with the softmax fused, the per-variable GRNs the vsn ones."""
@@ -654,7 +744,10 @@ def test_tc_path_is_not_taken(kernels_on, monkeypatch, case):
     a, r = jnp.zeros((70, I)), jnp.zeros((70, O))
     f, args = _value_and_grad(), (p, a, r)
     if case == "softmax":
-        f, args = lambda p, a: jax.grad(lambda p: jnp.sum(grn_mod._grn_apply(p, a, None, 1e-5, softmax=True)))(p), (p, a)
+        def f(p, a):
+            return jax.grad(lambda p: jnp.sum(grn_mod._grn_apply(p, a, None, 1e-5, softmax=True)))(p)
+
+        args = (p, a)
     elif C is not None:
         f, args = lambda p, a, c: jax.grad(lambda p: jnp.sum(grn(p, a, c)))(p), (p, a, jnp.zeros((70, C)))
     if case in ("highest", "float32"):

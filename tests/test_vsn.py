@@ -19,7 +19,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxfox
-from conftest import assert_raises_naming as _bad, cuda_custom_calls, rel_err
+from conftest import assert_raises_naming as _bad, central_diff_grad, cuda_custom_calls, rel_err
 from jaxfox import vsn, vsn_init
 from test_grn import assert_f32_close, assert_tree_close, fd_grads, np_grn, tf32_weights
 from test_grn import TC_BWD, TC_FWD, REDUCE, tc_emulated  # noqa: F401 (tc_emulated: a fixture)
@@ -130,6 +130,37 @@ def test_single_variable_weight_is_exactly_one():
     for leaf in jax.tree.leaves(gp["selection"]):
         assert np.all(np.asarray(leaf) == 0.0)
     assert any(np.any(np.asarray(leaf) != 0.0) for leaf in jax.tree.leaves(gp["variables"]))
+
+
+def test_tiny_eps_zero_padding_row_has_finite_gradients():
+    """A zero row of xs (padding) of freshly initialised params (zero biases) makes every LayerNorm row of that
+    sample constant; with a small valid eps (1e-30, a normal float32) autodiff of rsqrt(var + eps) gave 0 * inf =
+    NaN there, and so NaN in every parameter gradient. They are finite, and the padding row's input gradient
+    (~rsqrt(eps) = 1e15) matches float64 central differences of the oracle (step 1e-20: var << eps, linear)."""
+    m, d, H, O, eps = 3, 2, 4, 5, 1e-30
+    p = vsn_init(jax.random.key(24), m, d, H, O)
+    rng = np.random.default_rng(25)
+    xs = rng.standard_normal((3, m, d)).astype(np.float32)
+    xs[1] = 0.0
+    r1, r2 = rng.standard_normal((3, O)), rng.standard_normal((3, m))
+
+    def loss(q, x):
+        out, w = vsn(q, x, eps=eps)
+        return jnp.sum(out * jnp.asarray(r1, jnp.float32)) + jnp.sum(w * jnp.asarray(r2, jnp.float32))
+
+    gp, gx = jax.grad(loss, argnums=(0, 1))(p, jnp.asarray(xs))
+    for leaf in jax.tree.leaves((gp, gx)):
+        assert np.isfinite(np.asarray(leaf)).all()
+
+    def np_loss_row1(x1):
+        x = xs.astype(np.float64)
+        x[1] = x1
+        out, w = np_vsn(p, x, None, eps)
+        return float(np.sum(out[1] * r1[1]) + np.sum(w[1] * r2[1]))
+
+    want = central_diff_grad(np_loss_row1, np.zeros((m, d)), 1e-20)
+    assert np.abs(want).max() > 1e13
+    assert rel_err(gx[1], want) <= 1e-5
 
 
 def test_context_broadcasts_over_time():
@@ -253,6 +284,28 @@ def test_jit_vmap_grad():
     want = fd_grads(lambda t: float(np.sum(np_vsn(t[0], t[1], c)[0] * r)), (p, xs))
     assert_tree_close(g[0]["variables"], want[0]["variables"], 1e-4)
     assert_f32_close(g[1], want[1], 1e-4)
+
+
+def test_symbolic_leading_dims_export():
+    """xs [..., m, d] with symbolic leading dims (``jax.export`` shape polymorphism): vsn counted the rows with
+    int(np.prod(lead)), which raised InconclusiveDimensionOperation."""
+    from jax import export
+
+    m, d, H, O, C = 3, 2, 4, 5, 2
+    p = random_vsn_params(m, d, H, O, C, seed=26)
+    b, t = export.symbolic_shape("b, t")
+    f32 = jnp.float32
+    exp = export.export(jax.jit(lambda x, c: vsn(p, x, c)))(
+        jax.ShapeDtypeStruct((b, t, m, d), f32), jax.ShapeDtypeStruct((b, 1, C), f32))
+    assert [a.shape for a in exp.out_avals] == [(b, t, O), (b, t, m)]
+    for B, T in ((2, 3), (1, 5)):
+        rng = np.random.default_rng(B + T)
+        xs = rng.standard_normal((B, T, m, d)).astype(np.float32)
+        c = rng.standard_normal((B, 1, C)).astype(np.float32)
+        out, w = exp.call(jnp.asarray(xs), jnp.asarray(c))
+        want_out, want_w = np_vsn(p, xs, np.broadcast_to(c, (B, T, C)))
+        assert_f32_close(out, want_out)
+        assert_f32_close(w, want_w)
 
 
 def test_zero_rows():
