@@ -420,6 +420,209 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid >= S::kP - S::kPBout && tid < S::kPpad - S::kPBout) prow[S::kPBout + tid] = 0.f;  // padding
 }
 
+#if defined(JAXFOX_SM90A_BUILD)  // builds with sm_90a machine code (CMakeLists.txt)
+// ---- The forward on wgmma (sm_90a, H = 128) ---------------------------------------------------------------------
+// z of iqn_head_kernel<K, 128, false, false>, with both products on Hopper's warpgroup MMA (TF32, float32
+// accumulation) instead of mma.sync: one persistent CTA an SM keeps W_phi^T and W_h^T (TF32-rounded) in shared
+// memory, and each of its two warpgroups walks its own tiles of whole samples (the same tiles as the mma.sync
+// kernel), t = 2 blockIdx.x + warpgroup, step 2 gridDim.x. A tile: (a) e = cos(pi tau k) (the same values as the
+// mma.sync kernel: sincos of each 16-wide chunk's first angle, then rotations), TF32-rounded, -> E; (b) E W_phi on
+// wgmma; (c) m = ReLU(. + b_phi) * psi[sample], TF32-rounded, from the accumulators -> M; (d) M W_h on wgmma; (e)
+// z = ReLU(. + b_h) . w_out + b_out from the accumulators: a row's 128 columns are held by the 4 lanes of a quad
+// (32 each, summed in column order), added by two shuffles. Operands are K-major tiles of 32-float rows, 128-byte
+// swizzled (ffi/tensor_core.h WgmmaDescSw128). Rows are independent: a sample's z does not depend on the batch.
+template <int K>
+struct WgFwdLayout {  // bytes from the 1024-aligned base
+  static constexpr int H = 128, kRows = kMaxTileRows;
+  static constexpr int kWhT = 0;                              // W_h^T [H/32 blocks][H rows n][32 k]
+  static constexpr int kWphiT = kWhT + H * H * 4;             // W_phi^T [K/32][H][32]
+  static constexpr int kE = kWphiT + K * H * 4;               // per warpgroup: E [K/32][64][32], then M [H/32][64][32]
+  static constexpr int kM = kE + K * kRows * 4;
+  static constexpr int kWg = K * kRows * 4 + H * kRows * 4;   // bytes a warpgroup
+  static constexpr int kVec = kE + 2 * kWg;                   // b_phi, b_h, w_out [H] floats each
+  static constexpr int kRowSample = kVec + 3 * H * 4;         // row -> sample within a tile [64] (int)
+  static constexpr int kBytes = kRowSample + kRows * 4;
+  static constexpr int kSmem = 1024 + kBytes;                 // with the alignment slack
+  static_assert(K % 32 == 0 && kE % 1024 == 0 && kM % 1024 == 0 && kWg % 1024 == 0, "1024-byte swizzle atoms");
+};
+
+// Float offset of element (row r, k) in a K-major swizzled operand of R rows (32-float blocks of K, each R x 128
+// bytes; 16-byte chunk c of row r at chunk c ^ (r % 8)).
+template <int R>
+__device__ __forceinline__ int SwOff(int r, int k) {
+  return (k >> 5) * (R * 32) + r * 32 + ((((k & 31) >> 2) ^ (r & 7)) << 2) + (k & 3);
+}
+
+__device__ __forceinline__ void WarpgroupBarrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+
+template <int K>
+__global__ void __launch_bounds__(kThreads, 1)
+    iqn_head_fwd_wgmma_kernel(const float* __restrict__ w, const float* __restrict__ psi,
+                              const float* __restrict__ taus, int B, int N, int samples_per_tile, int tiles,
+                              float* __restrict__ z) {
+#if defined(JAXFOX_HAS_WGMMA)
+  constexpr int H = 128;
+  using S = Layout<K, H, false>;  // the flat parameter layout
+  using L = WgFwdLayout<K>;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  float* whT = reinterpret_cast<float*>(smem + L::kWhT);
+  float* wphiT = reinterpret_cast<float*>(smem + L::kWphiT);
+  float* vec = reinterpret_cast<float*>(smem + L::kVec);  // b_phi | b_h | w_out
+  int* row_sample = reinterpret_cast<int*>(smem + L::kRowSample);
+  const int tid = threadIdx.x;
+  // W[k][n] (x @ W, row-major) -> row n, column k of the transposed operand
+  for (int e = tid; e < H * H; e += kThreads) whT[SwOff<H>(e % H, e / H)] = Tf32(w[S::kPWh + e]);
+  for (int e = tid; e < K * H; e += kThreads) wphiT[SwOff<H>(e % H, e / H)] = Tf32(w[S::kPWphi + e]);
+  for (int j = tid; j < H; j += kThreads) {
+    vec[j] = w[S::kPBphi + j];
+    vec[H + j] = w[S::kPBh + j];
+    vec[2 * H + j] = w[S::kPWout + j];
+  }
+  if (tid < kMaxTileRows) row_sample[tid] = tid / N;  // the only division by N
+  const float b_out = w[S::kPBout];
+  FenceProxyAsyncShared();
+  __syncthreads();
+
+  const int wg = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31, t4 = lane & 3;
+  const uint32_t e_base = base + L::kE + wg * L::kWg, m_base = e_base + (L::kM - L::kE);
+  float* es = reinterpret_cast<float*>(smem + L::kE + wg * L::kWg);
+  float* ms = reinterpret_cast<float*>(smem + L::kM + wg * L::kWg);
+  // (a)'s work: row wt / 2, K / 2 features from (wt % 2) K / 2, in chunks of 16
+  const int ar = wt >> 1, ak = (wt & 1) * (K / 2);
+  // (c), (e): rows r0, r1 = r0 + 8 of the tile, columns 8 j + 2 t4 (+ 1) for j < 16
+  const int r0 = 16 * warp + (lane >> 2), r1 = r0 + 8;
+  const int stride = 2 * gridDim.x;
+  int t = 2 * blockIdx.x + wg;
+  float pf_tau = 0.f;
+  auto tile_rows = [&](int tt) { return min(samples_per_tile, B - tt * samples_per_tile) * N; };
+  if (t < tiles && ar < tile_rows(t)) pf_tau = taus[static_cast<int64_t>(t) * samples_per_tile * N + ar];
+  float acc[64];
+#pragma unroll
+  for (int q = 0; q < 64; ++q) acc[q] = 0.f;
+  for (; t < tiles; t += stride) {
+    const int s0 = t * samples_per_tile;
+    const int rows = tile_rows(t);
+    const int64_t row0 = static_cast<int64_t>(s0) * N;
+    const float tau = pf_tau;
+    if (t + stride < tiles && ar < tile_rows(t + stride)) {
+      pf_tau = taus[static_cast<int64_t>(t + stride) * samples_per_tile * N + ar];
+    }
+    // (a) E
+#pragma unroll
+    for (int ch = 0; ch < K / 32; ++ch) {
+      const int c = ak + 16 * ch;
+      float v[16];
+      if (ar < rows) {
+        const float x = kPi * tau;
+        float s1, c1, sk, ck;
+        sincosf(x, &s1, &c1);
+        sincosf(x * static_cast<float>(c), &sk, &ck);
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+          v[q] = Tf32(ck);
+          const float cn = fmaf(ck, c1, -sk * s1);
+          sk = fmaf(sk, c1, ck * s1);
+          ck = cn;
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < 16; ++q) v[q] = 0.f;
+      }
+#pragma unroll
+      for (int q = 0; q < 16; q += 4) {
+        *reinterpret_cast<float4*>(es + SwOff<kMaxTileRows>(ar, c + q)) = make_float4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+      }
+    }
+    FenceProxyAsyncShared();
+    WarpgroupBarrier(wg);
+    // this thread's psi values for (c), loaded while the first product runs
+    const bool ok0 = r0 < rows, ok1 = r1 < rows;
+    const float* p0 = psi + (static_cast<int64_t>(s0) + (ok0 ? row_sample[r0] : 0)) * H + 2 * t4;
+    const float* p1 = psi + (static_cast<int64_t>(s0) + (ok1 ? row_sample[r1] : 0)) * H + 2 * t4;
+    // (b) E W_phi
+    WgmmaFenceOperand(acc);
+    WgmmaFence();
+#pragma unroll
+    for (int kb = 0; kb < K / 32; ++kb) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        WgmmaM64N128K8Tf32(acc, WgmmaDescSw128(e_base + kb * kMaxTileRows * 128 + 32 * kk),
+                           WgmmaDescSw128(base + L::kWphiT + kb * H * 128 + 32 * kk), (kb | kk) != 0);
+      }
+    }
+    WgmmaCommit();
+    float2 ps0[16], ps1[16];  // read only where ok0 / ok1
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (ok0) ps0[j] = __ldg(reinterpret_cast<const float2*>(p0 + 8 * j));
+      if (ok1) ps1[j] = __ldg(reinterpret_cast<const float2*>(p1 + 8 * j));
+    }
+    WgmmaWaitAll();
+    WgmmaFenceOperand(acc);
+    // (c) M = TF32(ReLU(. + b_phi) * psi), 0 on padding rows
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = 8 * j + 2 * t4;
+      const float2 bb = *reinterpret_cast<const float2*>(vec + c);
+      const float* a = &acc[4 * j];
+      *reinterpret_cast<float2*>(ms + SwOff<kMaxTileRows>(r0, c)) =
+          ok0 ? make_float2(Tf32(Relu(a[0] + bb.x) * ps0[j].x), Tf32(Relu(a[1] + bb.y) * ps0[j].y))
+              : make_float2(0.f, 0.f);
+      *reinterpret_cast<float2*>(ms + SwOff<kMaxTileRows>(r1, c)) =
+          ok1 ? make_float2(Tf32(Relu(a[2] + bb.x) * ps1[j].x), Tf32(Relu(a[3] + bb.y) * ps1[j].y))
+              : make_float2(0.f, 0.f);
+    }
+    FenceProxyAsyncShared();
+    WarpgroupBarrier(wg);
+    // (d) M W_h
+    WgmmaFenceOperand(acc);
+    WgmmaFence();
+#pragma unroll
+    for (int kb = 0; kb < H / 32; ++kb) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        WgmmaM64N128K8Tf32(acc, WgmmaDescSw128(m_base + kb * kMaxTileRows * 128 + 32 * kk),
+                           WgmmaDescSw128(base + L::kWhT + kb * H * 128 + 32 * kk), (kb | kk) != 0);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWaitAll();
+    WgmmaFenceOperand(acc);
+    // (e) z
+    float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = 8 * j + 2 * t4;
+      const float2 bh = *reinterpret_cast<const float2*>(vec + H + c);
+      const float2 wo = *reinterpret_cast<const float2*>(vec + 2 * H + c);
+      const float* a = &acc[4 * j];
+      v0 = fmaf(Relu(a[0] + bh.x), wo.x, v0);
+      v0 = fmaf(Relu(a[1] + bh.y), wo.y, v0);
+      v1 = fmaf(Relu(a[2] + bh.x), wo.x, v1);
+      v1 = fmaf(Relu(a[3] + bh.y), wo.y, v1);
+    }
+    v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+    v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+    v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+    v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+    if (t4 == 0) {
+      if (ok0) z[row0 + r0] = v0 + b_out;
+      if (ok1) z[row0 + r1] = v1 + b_out;
+    }
+    // E and M are rewritten next only after this warpgroup's next barrier, which every warp reaches after its
+    // wgmma waits above
+  }
+#else
+  __trap();  // only sm_90a machine code holds this kernel: a launch of any other image is an error, not garbage
+#endif  // JAXFOX_HAS_WGMMA
+}
+#endif  // JAXFOX_SM90A_BUILD
+
 // Calls f(integral_constant K, integral_constant H) for the instantiated shapes (jaxfox/iqn.py _KERNEL_K/_H).
 template <typename F>
 ffi::Error ByShape(int64_t K, int64_t H, F&& f) {
@@ -477,6 +680,23 @@ ffi::Error IqnHeadFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> w, ffi::Buf
       return InvalidArgument("iqn_head: z must be [B, N], got " + DimsToString(z->dimensions()));
     }
     if (d.B == 0) return ffi::Error::Success();
+#if defined(JAXFOX_SM90A_BUILD)
+    // compute capability 9.0 and H = 128: the wgmma kernel, two warpgroups (two tiles at a time) a CTA (1.81x the
+    // mma.sync kernel at B = 16384, N = 32, K = 64 on an H100: 239 against 433 us, BENCHMARKS.md fifty-second session)
+    if constexpr (H == 128) {
+      if (GetDeviceInfo().cc_major == 9) {
+        auto wk = iqn_head_fwd_wgmma_kernel<K>;
+        const int64_t wbytes = WgFwdLayout<K>::kSmem;
+        JAXFOX_RETURN_IF_ERROR(PrepareSmem("iqn_head", wk, wbytes));
+        const int wgrid = static_cast<int>(std::min<int64_t>(CeilDiv(d.tiles, int64_t{2}),
+                                                             std::max(1, GetDeviceInfo().sm_count)));
+        wk<<<wgrid, kThreads, wbytes, stream>>>(w.typed_data(), psi.typed_data(), taus.typed_data(),
+                                                static_cast<int>(d.B), static_cast<int>(d.N),
+                                                static_cast<int>(d.spt), static_cast<int>(d.tiles), z->typed_data());
+        return LastCudaError("iqn_head_fwd");
+      }
+    }
+#endif  // JAXFOX_SM90A_BUILD
     auto kernel = iqn_head_kernel<K, H, false, false>;
     const int64_t bytes = int64_t{S::kTotal} * 4;
     JAXFOX_RETURN_IF_ERROR(PrepareSmem("iqn_head", kernel, bytes));

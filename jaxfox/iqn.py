@@ -16,7 +16,9 @@ and read several times by the forward and backward): at B = 16384, N = 32, H = 1
 runs the two layers tile by tile (whole samples per tile) on the tensor cores, forward and backward,
 without writing any [B, N, H] tensor: the backward recomputes the forward, and the parameter gradients
 are per-block partials summed by :func:`jaxfox.reduce_axis0` in a fixed order (no atomics, bitwise
-reproducible).
+reproducible). On compute capability 9.0 with H = 128 the forward kernel runs both products on Hopper's
+warpgroup MMA (wgmma, TF32; ``iqn_head_fwd_wgmma_kernel``: two warpgroups a CTA, each on its own tiles); the
+backward and the fused loss stay on mma.sync.
 
 Precision: float32 inputs, products on the tensor cores in TF32 (10-bit mantissa, the operands rounded
 to nearest) with float32 accumulation -- what XLA does for float32 matmuls on the GPU at the default
