@@ -159,6 +159,19 @@ def exact_inputs(G, D, H, B, seed=0):
     return params, obs, jnp.asarray(target, jnp.float32)
 
 
+def exact_targets(params, obs, target, n, seed=0):
+    """[n, B] float32 targets for the same (params, obs), each meeting the exact-math premise when ``target``
+    does: instance 0 is ``target``, instance v > 0 moves every row further from the networks' values, by
+    U[0, 1] in the direction of its residual (target above every V_g stays above, below stays below), so |u|
+    only grows. (Another case's target, drawn against other networks' values, can land next to these V_g.)"""
+    _, u = preactivations(params, obs, target)
+    away = np.sign(u[0])                       # the same sign for every network (exact_inputs)
+    rng = np.random.default_rng(seed + 8000)
+    t = np.asarray(target, np.float64)
+    out = [t] + [t + away * rng.uniform(0.0, 1.0, t.shape) for _ in range(n - 1)]
+    return jnp.asarray(np.stack(out), jnp.float32)
+
+
 def typical_inputs(G, D, H, B, seed=0, perturbed=True):
     """iql_init params (He weights; with perturbed=True the zero biases get a 0.1 N(0, 1) perturbation so that no
     bias is trivially 0), obs ~ N(0, 1), target ~ 1.5 N(0, 1); float32. Pre-activations and residuals close to 0
@@ -558,6 +571,21 @@ def test_exact_inputs_premise(G, D, H, B, seed):
     pairs those files run) meets the premise of those tests: checked here, so that a broken premise shows on CPU
     (the GPU tests assert it again)."""
     assert_far_from_kinks(*exact_inputs(G, D, H, B, seed=seed))
+
+
+def test_exact_targets_premise():
+    """The vmap-over-target instances of test_gpu_iql.py::test_vmap_matches_per_instance_calls (exact_targets of the
+    first VMAP case at each H) meet the premise, and differ from each other."""
+    for H in sorted({case[2] for case in iql_cases.VMAP}):
+        cases = [case for case in iql_cases.VMAP if case[2] == H]
+        G, D, _, B, seed = cases[0]
+        params, obs, target = exact_inputs(G, D, H, B, seed=seed)
+        targets = exact_targets(params, obs, target, len(cases), seed=seed)
+        assert targets.shape == (len(cases), B)
+        np.testing.assert_array_equal(targets[0], target)
+        for v in range(len(cases)):
+            assert_far_from_kinks(params, obs, targets[v])
+            assert v == 0 or not np.array_equal(targets[v], targets[v - 1])
 
 
 def test_every_exact_case_list_is_checked():
