@@ -33,6 +33,29 @@ def check_array(name, x, shape, dtype=jnp.float32):
         raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
 
 
+def check_key(key, prefix="", batch_hint="vmap over keys for several draws"):
+    """Refuses anything but a single PRNG key: a typed key of shape [] (``jax.random.key``) or a raw uint32 key
+    [n] (``jax.random.PRNGKey``; JAX checks n against the PRNG implementation). ``prefix`` starts the message
+    (e.g. "cfc_init: "); ``batch_hint`` says what to do with a batch of keys.
+
+    Raises:
+      TypeError: key is not a jax.random key (an int seed, None, an array of another dtype).
+      ValueError: key is a batch of keys.
+    """
+    dt = getattr(key, "dtype", None)
+    if dt is not None and jnp.issubdtype(dt, jax.dtypes.prng_key):
+        if tuple(key.shape) != ():
+            raise ValueError(f"{prefix}key must be a single jax.random key (shape []), got a key array of shape "
+                             f"{tuple(key.shape)} ({batch_hint})")
+    elif dt is None or jnp.dtype(dt) != jnp.uint32:
+        what = f"an array of dtype {jnp.dtype(dt)}" if dt is not None else type(key).__name__
+        raise TypeError(f"{prefix}key must be a single jax.random key (jax.random.key(seed), or a uint32 [2] "
+                        f"jax.random.PRNGKey), got {what}")
+    elif len(key.shape) != 1:
+        raise ValueError(f"{prefix}key must be a single jax.random key (a raw uint32 key has shape [2]), got shape "
+                         f"{tuple(key.shape)}")
+
+
 def float32_param_dtype(fn, dtype):
     """The ``dtype`` argument of an ``*_init`` whose op takes float32 parameters only: TypeError unless float32, so
     that a bfloat16 init fails where it is asked for, not at the op's first call."""

@@ -30,7 +30,8 @@ import numpy as np
 
 from jaxfox._ffi import (cuda_compute_capability, dispatch, ffi_call as _ffi_call, psum_to_match,
                          smem_per_block_limit)
-from jaxfox._validate import check_array as _check_array, float32_param_dtype, is_concrete, positive_int as _positive_int
+from jaxfox._validate import (check_array as _check_array, check_key, float32_param_dtype, is_concrete,
+                              positive_int as _positive_int)
 from jaxfox.reduce import reduce_chunks
 
 __all__ = ["cfc_init", "cfc_cell", "cfc_scan", "lecun_tanh", "MODES"]
@@ -48,7 +49,8 @@ def _kernel_hidden_limit():
 
 def lecun_tanh(x):
     """1.7159 * tanh(0.666 * x), the ncps backbone activation; elementwise, x of any shape and float dtype
-    -> the same shape and dtype (an integer x is promoted as by ``jnp.tanh``: float32 with x64 off).
+    -> the same shape and dtype, as ``jnp.tanh`` types it: an integer x is promoted (float32 with x64 off), and a
+    float64 x (a NumPy array, a Python float) comes back float32 unless ``jax_enable_x64`` is on.
 
     Source: ncps's ``LeCun`` module (mlech26l/ncps, ``ncps/torch/cfc_cell.py``), after LeCun et al. 1998,
     "Efficient BackProp" (1.7159 tanh(2x / 3)).
@@ -81,7 +83,7 @@ def cfc_init(key, input_size, hidden_size, *, backbone_units=128, backbone_layer
     too (bound sqrt(6 / (1 + H))); this is reproduced.
 
     Args:
-      key: a ``jax.random`` key.
+      key: one ``jax.random`` key (``jax.random.key(seed)``, or a raw uint32 [2] ``jax.random.PRNGKey``).
       input_size: I, features per step.  hidden_size: H.
       backbone_units: U, width of each backbone layer.  backbone_layers: L >= 0.
       mode: "default", "no_gate" or "pure".
@@ -94,10 +96,16 @@ def cfc_init(key, input_size, hidden_size, *, backbone_units=128, backbone_layer
       mode "pure" also ``"w_tau"`` [H] and ``"A"`` [H].
 
     Raises:
-      ValueError: a size is not a positive int (backbone_layers may be 0) or mode is unknown.
-      TypeError: dtype is not float32.
+      ValueError: a size is not a positive int (backbone_layers may be 0), mode is unknown, or key is a batch of
+        keys.
+      TypeError: key is not a jax.random key, or dtype is not float32.
     """
-    dtype = float32_param_dtype("cfc_init", dtype)
+    check_key(key, "cfc_init: ", "vmap cfc_init over keys for an ensemble")
+    try:
+        dtype = float32_param_dtype("cfc_init", dtype)
+    except TypeError:  # the shared message advises bfloat16 activations, which cfc_scan refuses
+        raise TypeError(f"cfc_init: dtype must be float32 (cfc_scan takes float32 parameters and float32 inputs "
+                        f"xs and h0 only), got {dtype!r}") from None
     _check_mode(mode)
     I = _positive_int("input_size", input_size)
     H = _positive_int("hidden_size", hidden_size)
@@ -202,13 +210,21 @@ def _check_config(params, input_size, mode) -> _Config:
         _check_array(f"params['backbone'][{l}]['b']", layer["b"], (U,))
         fan_in = U
     if backbone and any(layer["w"].shape[1] != U for layer in backbone):
-        raise ValueError("all backbone layers must have the same width U")
+        raise ValueError("params['backbone'] layers must all have the same width U, got widths "
+                         f"{[int(layer['w'].shape[1]) for layer in backbone]}")
     _check_array("params['heads_w']", hw, (fan_in, n_heads * H))
     _check_array("params['heads_b']", params["heads_b"], (n_heads * H,))
     if mode == "pure":
         for k in ("w_tau", "A"):
             _check_array(f"params[{k!r}]", params[k], (H,))
     return _Config(I, H, U if backbone else 0, len(backbone), mode)
+
+
+def _abs(x):
+    """|x| whose derivative at 0 is 0 (sign(0)), as torch.abs in ncps and Sign in ffi/cfc.cu: jnp.abs's is 1 there,
+    which moved a w_tau of exactly 0 that ncps and the kernel leave at 0. x * sign(x) is |x| exactly (sign's
+    derivative is 0, so the derivative is sign(x))."""
+    return x * jnp.sign(x)
 
 
 def _cell_reference(params, h, x, ts, mode):
@@ -220,7 +236,7 @@ def _cell_reference(params, h, x, ts, mode):
     t = ts[:, None]
     if mode == "pure":
         A = params["A"]
-        return -A * jnp.exp(-t * (jnp.abs(params["w_tau"]) + jnp.abs(pre))) * pre + A
+        return -A * jnp.exp(-t * (_abs(params["w_tau"]) + _abs(pre))) * pre + A
     ff1, ff2, t_a, t_b = jnp.split(pre, 4, axis=-1)
     ff1, ff2 = jnp.tanh(ff1), jnp.tanh(ff2)
     g = jax.nn.sigmoid(t_a * t + t_b)
@@ -395,7 +411,8 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
     Args:
       params: from :func:`cfc_init` (same ``mode``).
       xs: [B, T, I] float32, batch-major (ncps ``batch_first=True``).
-      ts: elapsed time of each step in bars: a scalar, [B] (one per sample) or [B, T] (per step).
+      ts: elapsed time of each step in bars: a scalar, [B] (one per sample) or [B, T] (per step); a Python or
+        NumPy number, or an array of any float dtype (computed in float32; an integer or bool array is refused).
         Must be >= 0 and finite as float32 (0 is valid; NaN and inf are not: with an infinite ts the outputs are
         finite but the gradients of every parameter are NaN). Under ``jit`` a negative, NaN or inf traced value
         cannot raise (an inf one gives those NaN gradients):
@@ -426,7 +443,7 @@ def cfc_scan(params, xs, ts=1.0, h0=None, *, mode="default"):
     them out), scanned over T as ncps's ``CfC`` layer with ``batch_first=True``.
 
     Raises:
-      TypeError: an argument has the wrong dtype (float32 expected).
+      TypeError: xs, h0 or a params leaf is not a float32 array, or ts is not a number or float array.
       ValueError: wrong shape or rank (the message names the argument), unknown mode,
         params that do not match the mode, or a negative, NaN or infinite concrete ts.
     """
@@ -469,7 +486,7 @@ def cfc_cell(params, h, x, ts=1.0, *, mode="default"):
     (module docstring).
 
     Raises:
-      TypeError: x or h is not a float32 array.
+      TypeError: x, h or a params leaf is not a float32 array, or ts is not a number or float array.
       ValueError: x or h is not 2-D or does not match the params' sizes (the message names the argument), ts is
         not a scalar or [B], unknown mode, params that do not match the mode, or a negative, NaN or infinite
         concrete ts.

@@ -55,8 +55,8 @@ import numpy as np
 import optax
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call
-from jaxfox._validate import (is_concrete as _is_concrete, no_float64_without_x64, positive_int as _positive_int,
-                              real_scalar as _real_scalar)
+from jaxfox._validate import (check_key, is_concrete as _is_concrete, no_float64_without_x64,
+                              positive_int as _positive_int, real_scalar as _real_scalar)
 
 __all__ = [
     "PERState", "init", "add", "sample", "sample_items", "update", "probabilities", "prefix_sum",
@@ -101,22 +101,6 @@ def _check_state(state, name="state"):
             # a negative size drew slot 0 with weight 0 silently; a size above C let the uniform fallback index past C
             raise ValueError(f"{name}.size must be in [0, C] = [0, {C}], got {size}")
     return C
-
-
-def _check_key(key):
-    """A single PRNG key: a typed key of shape [] (``jax.random.key``) or a raw uint32 key ``[2]``
-    (``jax.random.PRNGKey``; JAX checks the length against the PRNG implementation)."""
-    dt = getattr(key, "dtype", None)
-    if dt is not None and jnp.issubdtype(dt, jax.dtypes.prng_key):
-        if tuple(key.shape) != ():
-            raise ValueError(f"key must be a single jax.random key (shape []), got a key array of shape "
-                             f"{tuple(key.shape)} (vmap over keys for several draws)")
-    elif dt is None or jnp.dtype(dt) != jnp.uint32:
-        what = f"an array of dtype {jnp.dtype(dt)}" if dt is not None else type(key).__name__
-        raise TypeError(f"key must be a jax.random key (jax.random.key(seed), or a uint32 [2] "
-                        f"jax.random.PRNGKey), got {what}")
-    elif len(key.shape) != 1:
-        raise ValueError(f"key must be a single raw uint32 key of shape [2], got shape {tuple(key.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,7 +404,7 @@ def sample(state: PERState, key, batch_size: int, *, alpha, beta):
         other than []; concrete alpha < 0 or beta outside [0, 1]; the buffer is empty (concrete size 0).
     """
     _check_state(state)
-    _check_key(key)
+    check_key(key)
     B = _positive_int("batch_size", batch_size)
     _real_scalar("alpha", alpha, 0.0)
     _real_scalar("beta", beta, 0.0, 1.0)

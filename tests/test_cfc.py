@@ -719,3 +719,101 @@ def test_lecun_tanh_values_and_bad_input():
     for bad in ([1.0, 2.0], "x", True, jnp.ones(2, bool)):
         with pytest.raises(TypeError, match="^x must be an array"):
             lecun_tanh(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Audit findings (each test failed on the code before its fix).
+@pytest.mark.parametrize("L", [0, 1])
+def test_pure_w_tau_gradient_at_zero_is_the_ncps_subgradient(L):
+    """Mode "pure" with some w_tau exactly 0 (ncps creates w_tau as zeros before init_weights): ncps's
+    torch.abs backward and the CUDA kernel (Sign(0) = 0) give d|w|/dw = 0 there, as does the float64 central
+    difference of the oracle (|eps| - |-eps| = 0); jnp.abs's JVP took 1, so the reference's w_tau gradient was
+    sum A ff1 e ts at those units (nonzero) and CPU training moved a w_tau that ncps and the GPU leave at 0."""
+    B, T, I, H, U = 2, 3, 3, 4, 5
+    params, xs, ts, h0 = _setup("pure", L, B, T, I, H, U, seed=17)
+    params["w_tau"] = params["w_tau"].at[::2].set(0.0)
+    C = np.random.default_rng(18).standard_normal((B, T, H))
+    want_hs = np_cfc_scan(params, xs, ts, h0, "pure")
+    _assert_close_f64(cfc_scan(params, jnp.asarray(xs), jnp.asarray(ts), jnp.asarray(h0), mode="pure"), want_hs)
+
+    def loss(p):
+        hs = cfc_scan(p, jnp.asarray(xs), jnp.asarray(ts), jnp.asarray(h0), mode="pure")
+        return jnp.sum(hs * C.astype(np.float32))
+
+    fd = central_diff_grad(lambda v: float(np.sum(np_cfc_scan({**params, "w_tau": v}, xs, ts, h0, "pure") * C)),
+                           np.asarray(params["w_tau"], np.float64))
+    assert np.all(fd[::2] == 0.0) and np.all(np.abs(fd[1::2]) > 1e-3)  # the case is not trivial
+    for g in (jax.grad(loss)(params), jax.jit(jax.grad(loss))(params)):
+        np.testing.assert_allclose(np.asarray(g["w_tau"]), fd, rtol=1e-4, atol=1e-6)
+    # one cell step too
+    gc = jax.grad(lambda p: jnp.sum(cfc_cell(p, jnp.asarray(h0), jnp.asarray(xs[:, 0]), jnp.asarray(ts[:, 0]),
+                                             mode="pure") * C[:, 0].astype(np.float32)))(params)
+    fdc = central_diff_grad(
+        lambda v: float(np.sum(np_cfc_cell(to_f64({**params, "w_tau": v}), h0, xs[:, 0], ts[:, 0], "pure") * C[:, 0])),
+        np.asarray(params["w_tau"], np.float64))
+    np.testing.assert_allclose(np.asarray(gc["w_tau"]), fdc, rtol=1e-4, atol=1e-6)
+
+
+def test_init_bad_key_names_key():
+    """cfc_init with an int seed, None, a float array or a batch of keys raised JAX's "invalid PRNG key data" /
+    "split accepts a single key" errors, which do not name the argument; typed and raw uint32 keys (also traced,
+    under vmap for an ensemble) still work and draw the same values."""
+    for bad, exc in ((0, TypeError), (None, TypeError), (jnp.zeros(2), TypeError), (np.zeros(2, np.int32), TypeError),
+                     (jax.random.split(jax.random.key(0), 3), ValueError),
+                     (jax.random.split(jax.random.PRNGKey(0), 3), ValueError)):
+        with pytest.raises(exc, match=r"^cfc_init: key must be a single jax\.random key"):
+            cfc_init(bad, 4, 6)
+    a = cfc_init(jax.random.key(3), 4, 6, backbone_units=8)
+    b = cfc_init(jax.random.wrap_key_data(jax.random.key_data(jax.random.key(3))), 4, 6, backbone_units=8)
+    c = cfc_init(jax.random.key_data(jax.random.key(3)), 4, 6, backbone_units=8)  # raw uint32 [2]
+    for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
+    keys = jax.random.split(jax.random.key(0), 3)
+    ens = jax.vmap(lambda k: cfc_init(k, 4, 6, backbone_units=8))(keys)
+    one = cfc_init(keys[1], 4, 6, backbone_units=8)
+    np.testing.assert_array_equal(np.asarray(ens["heads_w"][1]), np.asarray(one["heads_w"]))
+
+
+def test_init_bfloat16_dtype_error_does_not_advise_bfloat16_inputs():
+    """cfc_init(dtype=bfloat16) said "cast activations, not parameters, to bfloat16" (the shared message of the
+    GRN/VSN inits), but cfc_scan refuses bfloat16 xs and h0: the message must say that the CfC op is float32
+    throughout, and a user following the old advice gets the TypeError naming xs."""
+    for dt in (jnp.bfloat16, jnp.float16, "float64"):
+        with pytest.raises(TypeError, match=r"^cfc_init: dtype must be float32") as e:
+            cfc_init(jax.random.key(0), 4, 6, dtype=dt)
+        assert "cast activations" not in str(e.value) and "inputs" in str(e.value)
+    p = cfc_init(jax.random.key(0), 4, 6, backbone_units=8)
+    with pytest.raises(TypeError, match="^xs must be float32, got bfloat16"):
+        cfc_scan(p, jnp.zeros((2, 3, 4), jnp.bfloat16))
+
+
+def test_nn_cfc_bad_rngs_is_a_type_error_naming_rngs():
+    """jaxfox.nn.CfC(..., rngs=None) or rngs=<int seed> raised AttributeError ("'NoneType' object has no attribute
+    'params'"); now a TypeError naming rngs. The params it draws from a good nnx.Rngs are cfc_init's and run."""
+    from flax import nnx
+
+    import jaxfox.nn
+
+    for bad in (None, 0, jax.random.key(0)):
+        with pytest.raises(TypeError, match=r"^rngs must be an nnx\.Rngs"):
+            jaxfox.nn.CfC(4, 6, backbone_units=8, rngs=bad)
+    m = jaxfox.nn.CfC(4, 6, backbone_units=8, mode="pure", rngs=nnx.Rngs(params=5))
+    want = cfc_init(nnx.Rngs(params=5).params(), 4, 6, backbone_units=8, mode="pure")
+    for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    xs = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    _assert_close_f64(m(jnp.asarray(xs), 0.5), np_cfc_scan(want, xs, 0.5, None, "pure"))
+
+
+def test_backbone_of_unequal_widths_error_names_params_and_widths():
+    """Backbone layers chained correctly but of different widths (ncps has one backbone_units) were refused with
+    "all backbone layers must have the same width U", naming neither the argument nor the widths found."""
+    p = cfc_init(jax.random.key(0), 5, 7, backbone_units=9, backbone_layers=2)
+    bad = {**p, "backbone": [{"w": jnp.zeros((12, 10)), "b": jnp.zeros(10)},
+                             {"w": jnp.zeros((10, 9)), "b": jnp.zeros(9)}]}
+    msg = r"^params\['backbone'\] layers must all have the same width U, got widths \[10, 9\]"
+    with pytest.raises(ValueError, match=msg):
+        cfc_scan(bad, jnp.zeros((2, 3, 5)))
+    with pytest.raises(ValueError, match=msg):
+        cfc_cell(bad, jnp.zeros((2, 7)), jnp.zeros((2, 5)))

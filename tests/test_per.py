@@ -595,14 +595,15 @@ def test_overflowing_scores_fall_back_to_uniform_on_both_reference_paths(x64):
 def test_sample_key_must_be_one_prng_key():
     """A seed, a batch of keys or a non-key array gave JAX errors that did not name the argument."""
     s = filled_state([1.0, 2.0])
-    for bad, err, msg in ((0, TypeError, r"^key must be a jax.random key .* got int$"),
+    for bad, err, msg in ((0, TypeError, r"^key must be a single jax.random key .* got int$"),
                           (jnp.zeros(2, jnp.int32), TypeError,
-                           r"^key must be a jax.random key .* got an array of dtype int32"),
-                          ("k", TypeError, r"^key must be a jax.random key .* got str$"),
+                           r"^key must be a single jax.random key .* got an array of dtype int32"),
+                          ("k", TypeError, r"^key must be a single jax.random key .* got str$"),
                           (jax.random.split(jax.random.key(0), 2), ValueError,
                            r"^key must be a single jax.random key \(shape \[\]\), got a key array of shape \(2,\)"),
                           (jax.random.split(jax.random.PRNGKey(0), 2), ValueError,
-                           r"^key must be a single raw uint32 key of shape \[2\], got shape \(2, 2\)")):
+                           r"^key must be a single jax.random key \(a raw uint32 key has shape \[2\]\), got shape "
+                           r"\(2, 2\)")):
         with pytest.raises(err, match=msg):
             per.sample(s, bad, 2, alpha=0.6, beta=0.4)
     # both key kinds draw the same stratified slots (B = 2, equal masses: one slot per stratum)

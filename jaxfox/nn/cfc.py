@@ -31,10 +31,13 @@ class CfC(nnx.Module):
 
     Raises:
       ValueError: as :func:`jaxfox.cfc_init` (a size that is not a positive int, an unknown mode).
+      TypeError: rngs is not an ``nnx.Rngs``.
     """
 
     def __init__(self, input_size: int, hidden_size: int, *, backbone_units: int = 128,
                  backbone_layers: int = 1, mode: str = "default", rngs: nnx.Rngs):
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs (its 'params' stream seeds cfc_init), got {type(rngs).__name__}")
         p = cfc_init(rngs.params(), input_size, hidden_size, backbone_units=backbone_units,
                      backbone_layers=backbone_layers, mode=mode, dtype=jnp.float32)
         self.input_size = int(input_size)
