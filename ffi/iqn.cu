@@ -26,6 +26,23 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTileRows = 64;  // jaxfox/iqn.py _MAX_TILE_ROWS
 constexpr float kPi = 3.14159265358979323846f;
 
+// v[q] = TF32(cos(fl(pi tau) (c + q))) for q < 16, the cosine embedding's features c .. c + 15 of one row: sincos of
+// the chunk's first angle, then rotations by (cos, sin)(pi tau). Both forward kernels and the backward use it, so
+// their e values are bit-identical.
+__device__ __forceinline__ void CosChunk16(float tau, int c, float (&v)[16]) {
+  const float x = kPi * tau;
+  float s1, c1, sk, ck;
+  sincosf(x, &s1, &c1);
+  sincosf(x * static_cast<float>(c), &sk, &ck);
+#pragma unroll
+  for (int q = 0; q < 16; ++q) {
+    v[q] = Tf32(ck);
+    const float cn = fmaf(ck, c1, -sk * s1);
+    sk = fmaf(sk, c1, ck * s1);
+    ck = cn;
+  }
+}
+
 // Shared-memory layout (floats) and flat parameter layout of one (K, H) instantiation. Every region starts
 // at a multiple of 8 floats (float2 / 32-byte aligned) and every row stride is a multiple of 4 floats; the
 // +4 padding of the row strides spreads a fragment's rows over the banks.
@@ -149,17 +166,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (r < 16 * row_frags) {
         float* dst = sm + S::kCos + r * kLK + c;
         if (r < rows) {
-          const float x = kPi * cur_tau;
-          float s1, c1, sk, ck;
-          sincosf(x, &s1, &c1);
-          sincosf(x * static_cast<float>(c), &sk, &ck);
+          float v[16];
+          CosChunk16(cur_tau, c, v);
 #pragma unroll
-          for (int q = 0; q < 16; ++q) {
-            dst[q] = Tf32(ck);
-            const float cn = fmaf(ck, c1, -sk * s1);
-            sk = fmaf(sk, c1, ck * s1);
-            ck = cn;
-          }
+          for (int q = 0; q < 16; ++q) dst[q] = v[q];
         } else {
 #pragma unroll
           for (int q = 0; q < 16; ++q) dst[q] = 0.f;
@@ -518,17 +528,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int c = ak + 16 * ch;
       float v[16];
       if (ar < rows) {
-        const float x = kPi * tau;
-        float s1, c1, sk, ck;
-        sincosf(x, &s1, &c1);
-        sincosf(x * static_cast<float>(c), &sk, &ck);
-#pragma unroll
-        for (int q = 0; q < 16; ++q) {
-          v[q] = Tf32(ck);
-          const float cn = fmaf(ck, c1, -sk * s1);
-          sk = fmaf(sk, c1, ck * s1);
-          ck = cn;
-        }
+        CosChunk16(tau, c, v);
       } else {
 #pragma unroll
         for (int q = 0; q < 16; ++q) v[q] = 0.f;
