@@ -56,6 +56,20 @@ def check_key(key, prefix="", batch_hint="vmap over keys for several draws"):
                          f"{tuple(key.shape)}")
 
 
+def check_rngs(rngs) -> None:
+    """Refuses anything but an ``nnx.Rngs`` as a flax.nnx module's ``rngs`` (None or an int seed failed with an
+    AttributeError on ``rngs.params``).
+
+    Raises:
+      TypeError: rngs is not an ``nnx.Rngs``.
+    """
+    from flax import nnx  # here, not at import: the functional ops do not need flax
+
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0); its 'params' stream draws the parameters), got "
+                        f"{type(rngs).__name__}")
+
+
 def float32_param_dtype(fn, dtype):
     """The ``dtype`` argument of an ``*_init`` whose op takes float32 parameters only: TypeError unless float32, so
     that a bfloat16 init fails where it is asked for, not at the op's first call."""

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
-from jaxfox._validate import float32_param_dtype, positive_int as _positive_int
+from jaxfox._validate import check_key, float32_param_dtype, positive_int as _positive_int
 
 __all__ = ["attention_pool_init", "attention_pool"]
 
@@ -93,6 +93,7 @@ def attention_pool_init(key, hidden_size, *, num_heads=4, dtype=jnp.float32):
       ValueError: hidden_size or num_heads is not a positive int, or num_heads does not divide H.
       TypeError: dtype is not float32.
     """
+    check_key(key, "attention_pool_init: ")
     dtype = float32_param_dtype("attention_pool_init", dtype)
     H = _positive_int("hidden_size", hidden_size)
     _check_heads(H, num_heads)

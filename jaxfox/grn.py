@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
-from jaxfox._validate import (check_array as _check_array, float32_param_dtype, positive_float32,
+from jaxfox._validate import (check_array as _check_array, check_key, float32_param_dtype, positive_float32,
                               positive_int as _positive_int)
 from jaxfox.gemm import _precision_is_highest, _type_witness
 from jaxfox.reduce import _reduce_kernel, backward_tiling, reduce_chunks
@@ -96,6 +96,7 @@ def grn_init(key, input_size, hidden_size, output_size, *, context_size=None, dt
       ValueError: a size is not a positive int.
       TypeError: dtype is not float32.
     """
+    check_key(key, "grn_init: ")
     dtype = float32_param_dtype("grn_init", dtype)
     I = _positive_int("input_size", input_size)
     H = _positive_int("hidden_size", hidden_size)

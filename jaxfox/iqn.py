@@ -51,7 +51,7 @@ import numpy as np
 
 from jaxfox._ffi import (_explicit_batch_axes, cuda_compute_capability, dispatch, ffi_call as _ffi_call,
                          psum_to_match, smem_per_block_limit)
-from jaxfox._validate import check_array, positive_int as _positive_int
+from jaxfox._validate import check_array, check_key, positive_int as _positive_int
 from jaxfox.losses import _huber_kappa, quantile_embedding, quantile_huber_loss
 from jaxfox.reduce import reduce_chunks
 
@@ -86,6 +86,7 @@ def iqn_head_init(key, hidden_size, *, n_cos=64):
 
     Raises: ValueError if hidden_size or n_cos is not an int >= 1 (a bad key: JAX's own TypeError or ValueError).
     """
+    check_key(key, "iqn_head_init: ")
     H = _positive_int("hidden_size", hidden_size)
     K = _positive_int("n_cos", n_cos)
     k = jax.random.split(key, 3)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfox._ffi import dispatch, ffi_call as _ffi_call, kernel_opted_in, psum_to_match
-from jaxfox._validate import float32_param_dtype, positive_float32, positive_int as _positive_int
+from jaxfox._validate import check_key, float32_param_dtype, positive_float32, positive_int as _positive_int
 from jaxfox.grn import (
     _FLAT_KEYS, _TcCfg, _check_context, _check_input, _common_dtype, _grn_apply, _grn_sizes, _grn_tc, _tc_params,
     _tc_routed, grn_init, layer_norm,
@@ -79,6 +79,7 @@ def vsn_init(key, num_vars, var_size, hidden_size, output_size, *, context_size=
       ValueError: a size is not a positive int.
       TypeError: dtype is not float32.
     """
+    check_key(key, "vsn_init: ")
     dtype = float32_param_dtype("vsn_init", dtype)
     m = _positive_int("num_vars", num_vars)
     d = _positive_int("var_size", var_size)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxfox
+import jaxfox.nn
 from jaxfox._validate import in_open_unit_float32, real_scalar
 
 
@@ -144,3 +146,55 @@ def test_inits_refuse_a_parameter_dtype_their_op_rejects():
         for dt in (jnp.float32, np.float32, "float32"):
             assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(call(dt)))
 
+
+
+def _inits():
+    from jaxfox.models.aux import attention_init, iql_init, iqn_init
+
+    return [(jaxfox.cfc_init, (4, 6)), (jaxfox.grn_init, (4, 8, 4)), (jaxfox.vsn_init, (3, 2, 4, 4)),
+            (jaxfox.attention_pool_init, (8,)), (jaxfox.iqn_head_init, (8,)), (iql_init, (4,)), (iqn_init, (4,)),
+            (attention_init, (8,))]
+
+
+def test_every_init_names_a_bad_key():
+    """Every public *_init refuses an int seed, None, a float array and a batch of keys (typed or raw) with an error
+    that names the function and its key (JAX's own said "invalid PRNG key data" / "split accepts a single key"), and
+    still takes a typed key, a raw uint32 [2] key (the same draws) and a vmapped key (an ensemble)."""
+    batches = (jax.random.split(jax.random.key(0), 2), jax.random.split(jax.random.PRNGKey(0), 2))
+    for init, args in _inits():
+        name = init.__name__
+        for bad in (0, None, jnp.zeros(2)):
+            with pytest.raises(TypeError, match=rf"^{name}: key must be a single jax\.random key .*got "):
+                init(bad, *args)
+        for bad in batches:
+            with pytest.raises(ValueError, match=rf"^{name}: key must be a single jax\.random key \("):
+                init(bad, *args)
+        typed = init(jax.random.key(5), *args)
+        raw = init(jax.random.key_data(jax.random.key(5)), *args)
+        for a, b in zip(jax.tree.leaves(typed), jax.tree.leaves(raw), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        keys = jax.random.split(jax.random.key(1), 3)
+        ens = jax.vmap(lambda k: init(k, *args))(keys)
+        one = init(keys[2], *args)
+        for a, b in zip(jax.tree.leaves(ens), jax.tree.leaves(one), strict=True):
+            np.testing.assert_array_equal(np.asarray(a)[2], np.asarray(b))
+
+
+def test_every_module_names_a_bad_rngs():
+    """Every flax.nnx module of jaxfox refuses rngs=None or an int seed with a TypeError naming rngs (it was an
+    AttributeError on rngs.params) and builds with an nnx.Rngs."""
+    from flax import nnx
+
+    from jaxfox.models import BranchingC51, Perception, PerceptionV0
+
+    modules = [(jaxfox.nn.CfC, (4, 6), {"backbone_units": 8}), (jaxfox.nn.GRN, (4, 8, 4), {}),
+               (jaxfox.nn.VSN, (3, 2, 4, 4), {}), (jaxfox.nn.AttentionPool, (8,), {}),
+               (Perception, (6,), {"embed_dim": 2, "vsn_hidden": 4, "vsn_out": 4, "hidden": 4, "backbone_units": 8,
+                                   "num_heads": 2}),
+               (PerceptionV0, (6,), {"hidden": 8, "embed_dim": 2, "backbone_units": 16}),
+               (BranchingC51, (6, 2, 3, 5, (8, 8)), {})]
+    for cls, args, kw in modules:
+        for bad in (None, 0):
+            with pytest.raises(TypeError, match=r"^rngs must be an nnx\.Rngs .*got " + type(bad).__name__):
+                cls(*args, **kw, rngs=bad)
+        assert isinstance(cls(*args, **kw, rngs=nnx.Rngs(0)), nnx.Module)

@@ -53,7 +53,7 @@ import numpy as np
 import optax
 
 import jaxfox
-from jaxfox._validate import in_open_unit_float32, positive_int, real_scalar
+from jaxfox._validate import check_key, in_open_unit_float32, positive_int, real_scalar
 from jaxfox.losses import _huber_kappa
 
 __all__ = ["AuxConfig", "TrainerState", "AuxState", "AuxTrainers", "make_aux", "iql_init", "iql_values",
@@ -184,6 +184,7 @@ def iql_init(key, obs_dim, hidden=(128,), num_networks=2):
     Raises:
       ValueError: obs_dim, a hidden width or num_networks is not an int >= 1, or hidden is not a tuple/list.
     """
+    check_key(key, "iql_init: ")
     obs_dim = positive_int("obs_dim", obs_dim)
     if not isinstance(hidden, (tuple, list)):
         raise ValueError(f"hidden must be a tuple of ints >= 1 (the hidden widths), got {hidden!r}")
@@ -253,6 +254,7 @@ def iqn_init(key, obs_dim, hidden=128, n_cos=64):
     Raises:
       ValueError: obs_dim, hidden or n_cos is not an int >= 1.
     """
+    check_key(key, "iqn_init: ")
     obs_dim = positive_int("obs_dim", obs_dim)
     H = positive_int("hidden", hidden)
     n_cos = positive_int("n_cos", n_cos)
@@ -304,6 +306,7 @@ def iqn_loss(params, target, batch, key, cfg: AuxConfig):
 # Attention trainer.
 def attention_init(key, seq_dim, num_heads=4):
     """{"pool": attention_pool_init(H, num_heads), "w": [H, 1], "b": [1]}."""
+    check_key(key, "attention_init: ")
     k1, k2 = jax.random.split(key)
     return {"pool": jaxfox.attention_pool_init(k1, seq_dim, num_heads=num_heads),
             "w": _dense(k2, seq_dim, 1) * 0.5, "b": jnp.zeros((1,), jnp.float32)}

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfox
 from jaxfox import per
-from jaxfox._validate import is_concrete, positive_int, real_scalar
+from jaxfox._validate import check_rngs, is_concrete, positive_int, real_scalar
 from jaxfox.sharding import batch_axis, batch_mesh, check_divisible
 
 __all__ = [
@@ -79,6 +79,7 @@ class BranchingC51(nnx.Module):
 
     def __init__(self, obs_dim: int = 48, num_branches: int = 3, num_actions: int = 5, num_atoms: int = 51,
                  hidden: tuple[int, int] = (256, 128), *, rngs: nnx.Rngs):
+        check_rngs(rngs)
         if not isinstance(hidden, (tuple, list)) or len(hidden) != 2:
             raise ValueError(f"hidden must be a pair (h1, h2) of the two trunk widths, got {hidden!r}")
         for name, v, lo in (("obs_dim", obs_dim, 1), ("num_branches", num_branches, 1),

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxfox._validate import positive_int
+from jaxfox._validate import check_rngs, positive_int
 from jaxfox.models.perception_v0 import (_check_batch_labels, _check_labels, _check_model, _map_padded_chunks,
                                          _run_epoch, check_window_batch, data_parallel_step, make_benchmark_step,
                                          make_optimizer)
@@ -75,6 +75,7 @@ class Perception(nnx.Module):
                  hidden: int = FULL_DEFAULTS["hidden"], backbone_units: int = FULL_DEFAULTS["backbone_units"],
                  backbone_layers: int = 1, mode: str = "default", num_heads: int = FULL_DEFAULTS["num_heads"],
                  rngs: nnx.Rngs):
+        check_rngs(rngs)
         for name, v in (("num_features", num_features), ("embed_dim", embed_dim), ("vsn_hidden", vsn_hidden),
                         ("vsn_out", vsn_out), ("hidden", hidden), ("num_heads", num_heads)):
             positive_int(name, v)

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxfox._validate import positive_int
+from jaxfox._validate import check_rngs, positive_int
 from jaxfox.nn import CfC, Optimizer
 from jaxfox.optim import fused_adamw
 from jaxfox.sharding import batch_mesh, batch_sharding, check_divisible, data_parallel_value_and_grad
@@ -112,6 +112,7 @@ class PerceptionV0(nnx.Module):
     def __init__(self, num_features: int, *, embed_dim: int = DEFAULTS["embed_dim"], hidden: int = DEFAULTS["hidden"],
                  backbone_units: int = DEFAULTS["backbone_units"],
                  backbone_layers: int = 1, mode: str = "default", proj_size: int | None = None, rngs: nnx.Rngs):
+        check_rngs(rngs)
         for name, v in (("num_features", num_features), ("embed_dim", embed_dim), ("hidden", hidden),
                         ("proj_size", 1 if proj_size is None else proj_size)):
             positive_int(name, v)

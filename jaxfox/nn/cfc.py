@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxfox._validate import check_rngs
 from jaxfox.cfc import cfc_init, cfc_scan
 
 __all__ = ["CfC"]
@@ -36,8 +37,7 @@ class CfC(nnx.Module):
 
     def __init__(self, input_size: int, hidden_size: int, *, backbone_units: int = 128,
                  backbone_layers: int = 1, mode: str = "default", rngs: nnx.Rngs):
-        if not isinstance(rngs, nnx.Rngs):
-            raise TypeError(f"rngs must be an nnx.Rngs (its 'params' stream seeds cfc_init), got {type(rngs).__name__}")
+        check_rngs(rngs)
         p = cfc_init(rngs.params(), input_size, hidden_size, backbone_units=backbone_units,
                      backbone_layers=backbone_layers, mode=mode, dtype=jnp.float32)
         self.input_size = int(input_size)

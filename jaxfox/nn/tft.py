@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfox.attention import attention_pool, attention_pool_init
-from jaxfox._validate import positive_float32
+from jaxfox._validate import check_rngs, positive_float32
 from jaxfox.grn import grn, grn_init
 from jaxfox.vsn import vsn, vsn_init
 
@@ -54,6 +54,7 @@ class GRN(nnx.Module):
 
     def __init__(self, input_size: int, hidden_size: int, output_size: int, *, context_size: int | None = None,
                  eps: float = 1e-5, rngs: nnx.Rngs):
+        check_rngs(rngs)
         eps = positive_float32("eps", eps)
         p = grn_init(rngs.params(), input_size, hidden_size, output_size, context_size=context_size,
                      dtype=jnp.float32)
@@ -98,6 +99,7 @@ class VSN(nnx.Module):
 
     def __init__(self, num_vars: int, var_size: int, hidden_size: int, output_size: int, *,
                  context_size: int | None = None, eps: float = 1e-5, rngs: nnx.Rngs):
+        check_rngs(rngs)
         eps = positive_float32("eps", eps)
         p = vsn_init(rngs.params(), num_vars, var_size, hidden_size, output_size, context_size=context_size,
                      dtype=jnp.float32)
@@ -141,6 +143,7 @@ class AttentionPool(nnx.Module):
     """
 
     def __init__(self, hidden_size: int, *, num_heads: int = 4, rngs: nnx.Rngs):
+        check_rngs(rngs)
         p = attention_pool_init(rngs.params(), hidden_size, num_heads=num_heads, dtype=jnp.float32)
         self.hidden_size, self.num_heads = int(hidden_size), int(num_heads)
         self.q = nnx.Param(p["q"])
