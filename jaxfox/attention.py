@@ -90,8 +90,9 @@ def attention_pool_init(key, hidden_size, *, num_heads=4, dtype=jnp.float32):
       :func:`attention_pool` reads it from them.
 
     Raises:
-      ValueError: hidden_size or num_heads is not a positive int, or num_heads does not divide H.
-      TypeError: dtype is not float32.
+      ValueError: hidden_size or num_heads is not a positive int, num_heads does not divide H, or key is a
+        batch of keys.
+      TypeError: dtype is not float32, or key is not a jax.random key.
     """
     check_key(key, "attention_pool_init: ")
     dtype = float32_param_dtype("attention_pool_init", dtype)

@@ -93,8 +93,8 @@ def grn_init(key, input_size, hidden_size, output_size, *, context_size=None, dt
         ``gamma`` [O], ``beta`` [O]     LayerNorm scale and shift
 
     Raises:
-      ValueError: a size is not a positive int.
-      TypeError: dtype is not float32.
+      ValueError: a size is not a positive int, or key is a batch of keys.
+      TypeError: dtype is not float32, or key is not a jax.random key.
     """
     check_key(key, "grn_init: ")
     dtype = float32_param_dtype("grn_init", dtype)

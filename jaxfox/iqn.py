@@ -84,7 +84,8 @@ def iqn_head_init(key, hidden_size, *, n_cos=64):
     quantiles are small. He-normal: N(0, 2 / fan_in) (He et al. 2015, "Delving Deep into Rectifiers",
     eq. 10), as ``jaxfox.models.aux`` initialises its other ReLU layers.
 
-    Raises: ValueError if hidden_size or n_cos is not an int >= 1 (a bad key: JAX's own TypeError or ValueError).
+    Raises: ValueError if hidden_size or n_cos is not an int >= 1 or key is a batch of keys; TypeError if key is not
+    a jax.random key.
     """
     check_key(key, "iqn_head_init: ")
     H = _positive_int("hidden_size", hidden_size)

@@ -76,8 +76,8 @@ def vsn_init(key, num_vars, var_size, hidden_size, output_size, *, context_size=
           ``skip_w`` [m, d, O] and ``skip_b`` [m, O] (unless d = O), ``gamma``/``beta`` [m, O].
 
     Raises:
-      ValueError: a size is not a positive int.
-      TypeError: dtype is not float32.
+      ValueError: a size is not a positive int, or key is a batch of keys.
+      TypeError: dtype is not float32, or key is not a jax.random key.
     """
     check_key(key, "vsn_init: ")
     dtype = float32_param_dtype("vsn_init", dtype)

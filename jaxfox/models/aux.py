@@ -182,7 +182,9 @@ def iql_init(key, obs_dim, hidden=(128,), num_networks=2):
     He-normal weights, zero biases; each network gets its own random weights. float32.
 
     Raises:
-      ValueError: obs_dim, a hidden width or num_networks is not an int >= 1, or hidden is not a tuple/list.
+      ValueError: obs_dim, a hidden width or num_networks is not an int >= 1, hidden is not a tuple/list, or key
+        is a batch of keys.
+      TypeError: key is not a jax.random key.
     """
     check_key(key, "iql_init: ")
     obs_dim = positive_int("obs_dim", obs_dim)
@@ -252,7 +254,8 @@ def iqn_init(key, obs_dim, hidden=128, n_cos=64):
     He-normal weights (w_out scaled by 0.1), zero biases, float32. F = obs_dim, H = hidden.
 
     Raises:
-      ValueError: obs_dim, hidden or n_cos is not an int >= 1.
+      ValueError: obs_dim, hidden or n_cos is not an int >= 1, or key is a batch of keys.
+      TypeError: key is not a jax.random key.
     """
     check_key(key, "iqn_init: ")
     obs_dim = positive_int("obs_dim", obs_dim)
