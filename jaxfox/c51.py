@@ -216,13 +216,12 @@ _loss_kernel_f32.defvjp(_loss_kernel_fwd, _loss_kernel_bwd)
 def _loss_kernel(logits_tm1, a_tm1, r_t, discount_t, logits_t_target, logits_t_online, support):
     f32 = jnp.float32
     sg = jax.lax.stop_gradient
-    r, discount = sg(r_t.astype(f32)), sg(discount_t.astype(f32))
+    r, discount, z = sg(r_t.astype(f32)), sg(discount_t.astype(f32)), sg(support.astype(f32))
     loss = _loss_kernel_f32(logits_tm1.astype(f32), a_tm1.astype(jnp.int32), r, discount,
-                            sg(logits_t_target.astype(f32)), sg(logits_t_online.astype(f32)), sg(support.astype(f32)))
+                            sg(logits_t_target.astype(f32)), sg(logits_t_online.astype(f32)), z)
     # The kernel clamps r + discount z with fmaxf/fminf, which map NaN to v_min (a finite loss); the reference's
     # projection propagates it. Where r + discount z_j is NaN for some j (a NaN reward or discount, or inf * 0,
     # inf - inf with an infinite discount), that sample's loss and gradient are NaN here too.
-    z = sg(support.astype(f32))
     nan_tz = jnp.any(jnp.isnan(r[..., None] + discount[..., None] * z), axis=-1)
     return loss * jnp.where(nan_tz, jnp.nan, 1.0).astype(f32)
 
