@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 from jaxfox._validate import check_rngs, positive_int
-from jaxfox.models.perception_v0 import (_check_batch_labels, _check_labels, _check_model, _map_padded_chunks,
+from jaxfox.models.perception_v0 import (_check_labels, _check_model, _check_windows_and_labels, _map_padded_chunks,
                                          _run_epoch, check_window_batch, data_parallel_step, make_benchmark_step,
                                          make_optimizer)
 from jaxfox.nn.cfc import CfC
@@ -133,8 +133,7 @@ def loss_fn(model: Perception, x, y):
         float32.
     """
     _check_full(model, "loss_fn")
-    check_window_batch(x, model.num_features)  # before the labels, whose expected size is read off x
-    _check_batch_labels(x, y)
+    _check_windows_and_labels(x, y, model.num_features)
     logits, _ = model(x)
     return optax.sigmoid_binary_cross_entropy(logits, y).mean()
 

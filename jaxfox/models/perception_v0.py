@@ -70,9 +70,11 @@ def _check_labels(y, n, rows: str) -> None:
         raise TypeError(f"y must be float32, got {y.dtype}")
 
 
-def _check_batch_labels(x, y) -> None:
-    """:func:`_check_labels` for a training batch: y must be [B] float32 with B = x's leading size."""
-    _check_labels(y, x.shape[0] if getattr(x, "shape", ()) else None, "B")
+def _check_windows_and_labels(x, y, num_features: int | None, rows: str = "B") -> None:
+    """:func:`check_window_batch` for x, then :func:`_check_labels` for y against x's leading size: x first, since y's
+    expected size is read off it (a bad x was reported as a bad y, sized off the wrong axis)."""
+    check_window_batch(x, num_features, rows=rows)
+    _check_labels(y, x.shape[0], rows)
 
 
 def _map_padded_chunks(fn, x: np.ndarray, batch_size: int) -> tuple[np.ndarray, ...]:
@@ -200,8 +202,7 @@ def loss_fn(model: PerceptionV0, x, y):
         label per window of x; a [B, 1] y would broadcast the BCE to [B, B]).
     """
     _check_v0(model, "loss_fn")
-    check_window_batch(x, model.num_features)  # before the labels, whose expected size is read off x
-    _check_batch_labels(x, y)
+    _check_windows_and_labels(x, y, model.num_features)
     return optax.sigmoid_binary_cross_entropy(model(x), y).mean()
 
 
@@ -219,8 +220,7 @@ def data_parallel_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh=N
         divisible by the number of devices in ``mesh``.
       TypeError: x or y is not float32.
     """
-    check_window_batch(x, getattr(model, "num_features", None))  # before y, whose expected size is read off x
-    _check_batch_labels(x, y)
+    _check_windows_and_labels(x, y, getattr(model, "num_features", None))
     loss = loss_fn if loss is None else loss
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -271,9 +271,8 @@ def check_epoch_args(model: nnx.Module, x, y, key, *, batch_size, input_noise, m
                         f"{type(input_noise).__name__} {input_noise!r}")
     if not (np.isfinite(input_noise) and input_noise >= 0):
         raise ValueError(f"input_noise must be a finite std >= 0, got {input_noise!r}")
-    check_window_batch(x, getattr(model, "num_features", None), rows="N")
+    _check_windows_and_labels(x, y, getattr(model, "num_features", None), rows="N")
     n = x.shape[0]
-    _check_labels(y, n, "N")
     if n < batch_size:
         raise ValueError(f"x: an epoch needs at least batch_size={batch_size} windows, got {n}")
     dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
