@@ -70,16 +70,16 @@ def check_rngs(rngs) -> None:
                         f"{type(rngs).__name__}")
 
 
-def float32_param_dtype(fn, dtype):
+def float32_param_dtype(fn, dtype, inputs="cast activations, not parameters, to bfloat16"):
     """The ``dtype`` argument of an ``*_init`` whose op takes float32 parameters only: TypeError unless float32, so
-    that a bfloat16 init fails where it is asked for, not at the op's first call."""
+    that a bfloat16 init fails where it is asked for, not at the op's first call. ``inputs`` ends the message with
+    what the op takes as inputs (the default suits ops that take bfloat16 activations)."""
     try:
         dt = jnp.dtype(dtype)
     except TypeError:
         dt = None
     if dt != jnp.float32:
-        raise TypeError(f"{fn}: dtype must be float32 (the op takes float32 parameters; cast activations, not "
-                        f"parameters, to bfloat16), got {dtype!r}")
+        raise TypeError(f"{fn}: dtype must be float32 (the op takes float32 parameters; {inputs}), got {dtype!r}")
     return dt
 
 

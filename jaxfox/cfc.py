@@ -101,11 +101,7 @@ def cfc_init(key, input_size, hidden_size, *, backbone_units=128, backbone_layer
       TypeError: key is not a jax.random key, or dtype is not float32.
     """
     check_key(key, "cfc_init: ", "vmap cfc_init over keys for an ensemble")
-    try:
-        dtype = float32_param_dtype("cfc_init", dtype)
-    except TypeError:  # the shared message advises bfloat16 activations, which cfc_scan refuses
-        raise TypeError(f"cfc_init: dtype must be float32 (cfc_scan takes float32 parameters and float32 inputs "
-                        f"xs and h0 only), got {dtype!r}") from None
+    dtype = float32_param_dtype("cfc_init", dtype, "cfc_scan takes float32 inputs xs and h0 only")
     _check_mode(mode)
     I = _positive_int("input_size", input_size)
     H = _positive_int("hidden_size", hidden_size)
