@@ -547,14 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (b) E W_phi
     WgmmaFenceOperand(acc);
     WgmmaFence();
-#pragma unroll
-    for (int kb = 0; kb < K / 32; ++kb) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        WgmmaM64N128K8Tf32(acc, WgmmaDescSw128(e_base + kb * kMaxTileRows * 128 + 32 * kk),
-                           WgmmaDescSw128(base + L::kWphiT + kb * H * 128 + 32 * kk), (kb | kk) != 0);
-      }
-    }
+    WgmmaSw128Product<K / 32>(acc, e_base, kMaxTileRows * 128, base + L::kWphiT, H * 128);
     WgmmaCommit();
     float2 ps0[16], ps1[16];  // read only where ok0 / ok1
 #pragma unroll
@@ -582,14 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (d) M W_h
     WgmmaFenceOperand(acc);
     WgmmaFence();
-#pragma unroll
-    for (int kb = 0; kb < H / 32; ++kb) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        WgmmaM64N128K8Tf32(acc, WgmmaDescSw128(m_base + kb * kMaxTileRows * 128 + 32 * kk),
-                           WgmmaDescSw128(base + L::kWhT + kb * H * 128 + 32 * kk), (kb | kk) != 0);
-      }
-    }
+    WgmmaSw128Product<H / 32>(acc, m_base, kMaxTileRows * 128, base + L::kWhT, H * 128);
     WgmmaCommit();
     WgmmaWaitAll();
     WgmmaFenceOperand(acc);

@@ -180,6 +180,22 @@ __device__ __forceinline__ void WgmmaM64N128K8Tf32(float (&d)[64], uint64_t desc
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
+
+// d = A B^T over KB 32-float K blocks (KB x 4 wgmma k-steps, issued in k order; the first overwrites d): A is a
+// 64-row swizzled tile at shared address a_base, B a 128-row one at b_base, their K blocks a_block / b_block bytes
+// apart. The caller fences d and commits / waits (WgmmaFence before, WgmmaCommit and WgmmaWaitAll after).
+template <int KB>
+__device__ __forceinline__ void WgmmaSw128Product(float (&d)[64], uint32_t a_base, uint32_t a_block, uint32_t b_base,
+                                                  uint32_t b_block) {
+#pragma unroll
+  for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      WgmmaM64N128K8Tf32(d, WgmmaDescSw128(a_base + kb * a_block + 32 * kk),
+                         WgmmaDescSw128(b_base + kb * b_block + 32 * kk), (kb | kk) != 0);
+    }
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace jaxfox
